@@ -1,0 +1,137 @@
+"""The fixed-shape batch: the one data structure shared by loader, model, backends and trainer.
+
+A batch holds B packs. Each pack has room for ``max_nodes`` atoms and ``max_graphs``
+molecules (and ``max_edges`` directed edges for radius graphs), so every batch of a run has
+the same shapes:
+
+    N = B * max_nodes     atoms, pack p owns rows [p * max_nodes, (p + 1) * max_nodes)
+    G = B * max_graphs    molecule slots, pack p owns slots [p * max_graphs, (p + 1) * max_graphs)
+    E = B * max_edges     directed edges (radius graphs only)
+
+Padding conventions (the model and loss rely on them; tests check them):
+
+* A padding atom has ``z == 0``, ``node_mask == False`` and ``graph == G``: it belongs to the
+  filler graph one past the last real slot. Readouts allocate ``G + 1`` rows and drop the last.
+  Padding atoms sit far apart from each other and from every real atom (further than any
+  cutoff), so no neighbour search can pair them with anything.
+* A padding molecule slot has ``graph_mask == False`` and ``molecule_index == -1``. Its target
+  is arbitrary: losses are masked with ``graph_mask``, never by testing ``y == 0``.
+* Radius graphs: ``edge_index[:, : E // 2]`` holds each unordered pair once (source < target
+  within a molecule) and ``edge_index[:, E // 2 :]`` holds the same pairs reversed, in the same
+  order, so a filter computed on the first half serves both directions. A padding edge has
+  ``edge_mask == False`` and joins a padding atom to itself (or atom 0 to itself when the batch
+  has no padding atom); its message is multiplied by zero.
+* Atoms of one molecule are contiguous and molecules keep their pack, so ``graph`` is sorted
+  (non-decreasing) over the real atoms of each pack.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Batch:
+    """B packs collated into fixed-shape tensors (see the module docstring for the layout)."""
+
+    z: Tensor  # [N] int64 atomic numbers, 0 for padding atoms
+    pos: Tensor  # [N, 3] float32 positions in Angstrom
+    graph: Tensor  # [N] int64 molecule slot of each atom in [0, G]; G is the filler graph
+    node_mask: Tensor  # [N] bool, True for real atoms
+    y: Tensor  # [G] float32 regression target per molecule slot
+    graph_mask: Tensor  # [G] bool, True for real molecules
+    molecule_index: Tensor  # [G] int64 index of the molecule in the store, -1 for padding
+    edge_index: Tensor | None = None  # [2, E] int64, radius graphs only
+    edge_mask: Tensor | None = None  # [E] bool, radius graphs only
+
+    @property
+    def num_nodes(self) -> int:
+        return self.z.shape[0]
+
+    @property
+    def num_graphs(self) -> int:
+        return self.y.shape[0]
+
+    @property
+    def num_molecules(self) -> int:
+        """Real molecules in the batch."""
+        return int(self.graph_mask.sum())
+
+    def signature(self) -> tuple:
+        """Shapes and dtypes of every tensor: equal signatures mean no recompilation."""
+        return tuple(
+            (f.name, None if t is None else (tuple(t.shape), t.dtype))
+            for f in fields(self)
+            for t in [getattr(self, f.name)]
+        )
+
+    def as_tuple(self) -> tuple[Tensor, ...]:
+        """The tensors in field order, without the absent edge fields (for PopTorch)."""
+        return tuple(t for f in fields(self) if (t := getattr(self, f.name)) is not None)
+
+    @classmethod
+    def from_tuple(cls, tensors: tuple[Tensor, ...]) -> Batch:
+        """Inverse of :meth:`as_tuple`."""
+        return cls(*tensors)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> Batch:
+        return self._map(lambda t: t.pin_memory())
+
+    def _map(self, fn) -> Batch:
+        return replace(
+            self,
+            **{
+                f.name: fn(getattr(self, f.name))
+                for f in fields(self)
+                if getattr(self, f.name) is not None
+            },
+        )
+
+
+def stack_batches(batches: list[Batch]) -> Batch:
+    """Concatenate micro-batches into one larger batch (graph ids and edges re-offset).
+
+    Shapes: each input has N, G, E; the result has len(batches) times each. Used to build
+    the reference "one process on the concatenated batch" in replication tests and to
+    evaluate several micro-batches at once.
+    """
+    node_offset = 0
+    graph_offset = 0
+    total_graphs = sum(b.num_graphs for b in batches)
+    graphs, edges = [], []
+    for b in batches:
+        real = b.graph < b.num_graphs
+        filler = torch.full_like(b.graph, total_graphs)
+        graphs.append(torch.where(real, b.graph + graph_offset, filler))
+        if b.edge_index is not None:
+            edges.append(b.edge_index + node_offset)
+        node_offset += b.num_nodes
+        graph_offset += b.num_graphs
+
+    def cat(name: str) -> Tensor:
+        return torch.cat([getattr(b, name) for b in batches])
+
+    edge_index = edge_mask = None
+    if edges:
+        halves = [e.shape[1] // 2 for e in edges]
+        forward = torch.cat([e[:, :h] for e, h in zip(edges, halves, strict=True)], dim=1)
+        edge_index = torch.cat([forward, forward.flip(0)], dim=1)
+        masks = [b.edge_mask for b in batches]
+        edge_mask = torch.cat([torch.cat([m[:h] for m, h in zip(masks, halves, strict=True)])] * 2)
+    return Batch(
+        z=cat("z"),
+        pos=cat("pos"),
+        graph=torch.cat(graphs),
+        node_mask=cat("node_mask"),
+        y=cat("y"),
+        graph_mask=cat("graph_mask"),
+        molecule_index=cat("molecule_index"),
+        edge_index=edge_index,
+        edge_mask=edge_mask,
+    )
