@@ -1,0 +1,133 @@
+"""Building blocks of the packed SchNet: stable shifted softplus, broadcast-free scatter/gather,
+and the on-device k-nearest-neighbour graph computed block-diagonally per pack.
+
+Shapes use N atoms, E edges, F features, B packs of M = ``nodes_per_pack`` atoms (N = B * M).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+LOG2 = math.log(2.0)
+
+
+class _ShiftedSoftplus(torch.autograd.Function):
+    """``log1p(exp(-|x|)) + max(x, 0) - log 2`` with an explicit derivative ``sigmoid(x)``.
+
+    The forward pass runs in place on two temporaries and only ``x`` is kept for the backward
+    pass, instead of the half dozen intermediates plain autograd would save.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        ctx.save_for_backward(x)
+        magnitude = x.abs()
+        out = torch.neg(magnitude).exp_().log1p_()
+        # max(x, 0) == (x + |x|) / 2, so no branch and no extra temporary
+        return out.add_(magnitude.add_(x), alpha=0.5).sub_(LOG2)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        (x,) = ctx.saved_tensors
+        return grad * torch.sigmoid(x)
+
+
+def shifted_softplus(x: Tensor) -> Tensor:
+    """Shifted softplus ``softplus(x) - log 2`` in the overflow-free form
+    ``log1p(exp(-|x|)) + max(x, 0) - log 2``: finite for every finite ``x``, no branch.
+
+    Shape: any; returns a tensor of the same shape and dtype.
+    """
+    return _ShiftedSoftplus.apply(x)
+
+
+def naive_shifted_softplus(x: Tensor) -> Tensor:
+    """``log(1 + exp(x)) - log 2`` as written, which overflows to ``inf`` for large ``x``
+    (``x > 88`` in float32). Only for the ``stable_softplus=False`` ablation.
+    """
+    return torch.log(1.0 + torch.exp(x)) - LOG2
+
+
+def gather(x: Tensor, index: Tensor) -> Tensor:
+    """Rows of ``x`` [N, F] at ``index`` [E] -> [E, F], via ``index_select`` (no ordering
+    assumed; its backward is a 1-D ``index_add_``)."""
+    return x.index_select(0, index)
+
+
+def scatter_sum(src: Tensor, index: Tensor, dim_size: int) -> Tensor:
+    """Sum the rows of ``src`` [E, F] (or [E]) into ``dim_size`` rows by the 1-D ``index`` [E].
+
+    Uses ``index_add_`` with the 1-D index directly, never an index expanded to the feature
+    width, so it allocates only the [dim_size, F] result. It relies on no receiver ordering:
+    ``index`` may be unsorted and repeat freely. Its backward is an ``index_select``.
+    """
+    out = src.new_zeros((dim_size, *src.shape[1:]))
+    return out.index_add_(0, index, src)
+
+
+def knn_graph_packed(
+    pos: Tensor, graph: Tensor, node_mask: Tensor, nodes_per_pack: int, k: int, cutoff: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The k nearest neighbours within ``cutoff`` of every atom, searched inside its own pack.
+
+    Distances are computed block-diagonally: ``pos`` is viewed as [B, M, 3] and each pack's
+    [M, M] distance matrix is searched on its own, so the work is B * M^2 rather than N^2.
+    Candidates in another molecule, padding atoms and the atom itself are excluded.
+
+    Args:
+        pos: [N, 3] positions, N = B * nodes_per_pack.
+        graph: [N] molecule slot of each atom (padding atoms share the filler slot).
+        node_mask: [N] True for real atoms.
+        nodes_per_pack: M, the atoms of one pack.
+        k: neighbours per atom.
+        cutoff: neighbours further than this are dropped.
+
+    Returns:
+        ``edge_index`` [2, N * k] (row 0 the neighbour j = message source, row 1 the atom i =
+        receiver; the receivers are sorted, k consecutive edges per atom), ``dist`` [N * k]
+        and ``edge_mask`` [N * k]. Exactly k edges per atom. An edge that is masked (fewer than
+        k real neighbours within the cutoff, or a padding atom) is a self loop ``i -> i`` with
+        ``dist == cutoff``, so it never joins two molecules and the cosine cutoff zeroes it.
+        ``dist`` is differentiable with respect to ``pos``; the search itself is not.
+    """
+    num_nodes = pos.shape[0]
+    if num_nodes % nodes_per_pack:
+        raise ValueError(f"{num_nodes} atoms are not a whole number of packs of {nodes_per_pack}")
+    num_packs = num_nodes // nodes_per_pack
+    receiver = torch.arange(num_nodes, device=pos.device)
+    with torch.no_grad():
+        p = pos.detach().view(num_packs, nodes_per_pack, 3)
+        g = graph.view(num_packs, nodes_per_pack)
+        m = node_mask.view(num_packs, nodes_per_pack)
+        sq = (p.unsqueeze(2) - p.unsqueeze(1)).square().sum(-1)  # [B, M, M]
+        allowed = (g.unsqueeze(2) == g.unsqueeze(1)) & m.unsqueeze(2) & m.unsqueeze(1)
+        allowed &= ~torch.eye(nodes_per_pack, dtype=torch.bool, device=pos.device)
+        allowed &= sq <= cutoff * cutoff
+        sq = sq.masked_fill(~allowed, math.inf)
+        found = min(k, nodes_per_pack)
+        best, local = torch.topk(sq, found, dim=2, largest=False, sorted=True)  # [B, M, found]
+        offset = torch.arange(num_packs, device=pos.device).view(num_packs, 1, 1) * nodes_per_pack
+        source = (local + offset).reshape(num_nodes, found)
+        edge_mask = torch.isfinite(best).reshape(num_nodes, found)
+        if found < k:  # packs smaller than k + 1 atoms: fill the rows with masked self loops
+            source = torch.cat([source, source.new_zeros(num_nodes, k - found)], dim=1)
+            edge_mask = torch.cat([edge_mask, edge_mask.new_zeros(num_nodes, k - found)], dim=1)
+        source = torch.where(edge_mask, source, receiver.unsqueeze(1)).reshape(-1)
+        edge_mask = edge_mask.reshape(-1)
+        target = receiver.repeat_interleave(k)
+    edge_index = torch.stack([source, target])
+    dist = edge_distance(pos, edge_index, edge_mask, cutoff)
+    return edge_index, dist, edge_mask
+
+
+def edge_distance(pos: Tensor, edge_index: Tensor, edge_mask: Tensor, cutoff: float) -> Tensor:
+    """Length [E] of each edge in ``edge_index`` [2, E]; masked edges read ``cutoff``.
+
+    The square root is taken after masking, so masked (zero-length) edges give no NaN gradient.
+    """
+    diff = gather(pos, edge_index[0]) - gather(pos, edge_index[1])
+    sq = diff.square().sum(-1)
+    return torch.where(edge_mask, sq, sq.new_tensor(cutoff * cutoff)).sqrt()
