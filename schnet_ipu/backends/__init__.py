@@ -1,0 +1,112 @@
+"""Backends: turn a model, optimiser and loss into fixed-shape training and prediction steps.
+
+    device = select_device(cfg.backend.device)
+    replica = init_replica(cfg.backend, device)
+    backend = make_backend(cfg.backend, model, optimizer, loss_fn, cfg.optim.grad_clip, replica)
+    records = backend.train_call(micro_batches)  # D x A batches -> D step records
+    pred = backend.predict(batch)  # [G]
+
+``ipu`` and ``ipu-model`` (with PopTorch) run through :mod:`.poptorch_backend`; ``cpu``,
+``cuda`` and ``ipu-model`` without PopTorch (the CPU emulation of the IPU execution model:
+fixed shapes, replicas, device iterations, accumulation, merged all-reduce) run through
+:class:`TorchBackend`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+import torch
+from torch import nn
+
+from schnet_ipu.backends.distributed import ReplicaInfo, init_replica, launch_replicas
+from schnet_ipu.backends.torch_backend import LossFn, RecompilationError, TorchBackend
+from schnet_ipu.config import BackendConfig
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "DeviceError",
+    "RecompilationError",
+    "ReplicaInfo",
+    "TorchBackend",
+    "init_replica",
+    "launch_replicas",
+    "make_backend",
+    "poptorch_available",
+    "select_device",
+]
+
+
+class DeviceError(RuntimeError):
+    """The requested device cannot be used here."""
+
+
+def poptorch_available() -> bool:
+    """True when the Graphcore Poplar SDK's PopTorch can be imported."""
+    return importlib.util.find_spec("poptorch") is not None
+
+
+def select_device(name: str) -> str:
+    """Resolve ``backend.device`` to what will run: "ipu", "ipu-model", "cuda" or "cpu".
+
+    ``auto`` prefers IPU hardware (PopTorch importable and an IPU attached), then CUDA, then
+    CPU. ``ipu-model`` without PopTorch becomes "cpu", the CPU emulation, with a notice.
+    """
+    if name == "auto":
+        if poptorch_available():
+            import poptorch
+
+            if poptorch.ipuHardwareIsAvailable():
+                return "ipu"
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "ipu" and not poptorch_available():
+        raise DeviceError(
+            "backend.device=ipu needs PopTorch, which ships with the Graphcore Poplar SDK and "
+            "is not on PyPI: enable the SDK and install its poptorch wheel, or use "
+            "backend.device=ipu-model (CPU emulation) / cpu / cuda"
+        )
+    if name == "ipu-model" and not poptorch_available():
+        log.warning(
+            "backend.device=ipu-model: PopTorch not installed, emulating the IPU execution "
+            "model on CPU (fixed shapes, replicas, device iterations, accumulation, merged "
+            "all-reduce)"
+        )
+        return "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise DeviceError("backend.device=cuda but torch sees no CUDA device; use cpu or auto")
+    return name
+
+
+def make_backend(
+    backend_cfg: BackendConfig,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: LossFn,
+    grad_clip: float = 0.0,
+    replica: ReplicaInfo | None = None,
+    device: str | None = None,
+):
+    """The backend for ``backend_cfg`` (device resolved with :func:`select_device` if not given).
+
+    Returns a :class:`TorchBackend` or a ``PoptorchBackend``; both offer ``train_call``,
+    ``predict``, ``recompilations`` and ``collectives_per_step``.
+    """
+    device = device or select_device(backend_cfg.device)
+    if device in ("ipu", "ipu-model"):
+        from schnet_ipu.backends.poptorch_backend import PoptorchBackend
+
+        return PoptorchBackend(backend_cfg, model, optimizer, loss_fn, grad_clip, replica)
+    return TorchBackend(
+        model,
+        optimizer,
+        loss_fn,
+        device=device,
+        device_iterations=backend_cfg.device_iterations,
+        gradient_accumulation=backend_cfg.gradient_accumulation,
+        merge_allreduce=backend_cfg.merge_allreduce,
+        compile=backend_cfg.compile,
+        grad_clip=grad_clip,
+        replica=replica,
+    )

@@ -1,0 +1,194 @@
+"""Data-parallel replicas as processes over ``torch.distributed``.
+
+A replica is one process. Three ways to get R of them:
+
+* ``launch_replicas(fn, R, ...)`` spawns R local processes (CPU gloo, or one GPU each) on a
+  free localhost port, unless the program already runs under ``torchrun``;
+* ``torchrun --nproc-per-node ...`` (multi-node GPU clusters) sets RANK, WORLD_SIZE,
+  LOCAL_RANK, MASTER_ADDR and MASTER_PORT, which :func:`init_replica` reads;
+* PopRun (multi-host IPU-PODs) starts one instance per host group; the instance index comes
+  from popdist, and PopTorch replicates inside each instance.
+
+Gradient reduction is a mean over replicas (sum, then divide by R), PopTorch's default. With
+``merge_allreduce`` all gradients travel in one flat buffer: one collective per optimiser step.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import Tensor, nn
+
+from schnet_ipu.config import BackendConfig
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class ReplicaInfo:
+    """Where this process sits among the replicas."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 writes logs and checkpoints."""
+        return self.rank == 0
+
+
+def dist_backend_for(backend_cfg: BackendConfig, device: str) -> str:
+    """``backend.dist_backend`` with ``auto`` resolved: nccl on CUDA, gloo otherwise."""
+    if backend_cfg.dist_backend != "auto":
+        return backend_cfg.dist_backend
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+def popdist_instance() -> ReplicaInfo | None:
+    """The PopRun instance index and count when running under ``poprun``, else None."""
+    try:
+        import popdist
+    except ImportError:
+        return None
+    if not popdist.isPopdistEnvSet():
+        return None
+    return ReplicaInfo(popdist.getInstanceIndex(), popdist.getNumInstances(), 0)
+
+
+def init_replica(backend_cfg: BackendConfig, device: str, timeout_s: float = 600.0) -> ReplicaInfo:
+    """Join the process group described by the environment; one process means no group.
+
+    Under PopRun the instance comes from popdist and PopTorch does the collectives, so no
+    ``torch.distributed`` group is made. Otherwise WORLD_SIZE > 1 (set by torchrun or by
+    :func:`launch_replicas`) initialises ``torch.distributed`` with gloo or nccl.
+    """
+    instance = popdist_instance()
+    if instance is not None:
+        return instance
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size == 1:
+        if backend_cfg.replicas > 1:
+            raise RuntimeError(
+                f"backend.replicas={backend_cfg.replicas} but this process is alone; start it "
+                "through launch_replicas (train.py does) or torchrun --nproc-per-node"
+            )
+        return ReplicaInfo()
+    replica = ReplicaInfo(
+        rank=int(os.environ["RANK"]),
+        world_size=world_size,
+        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+    )
+    if device.startswith("cuda"):
+        torch.cuda.set_device(replica.local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group(
+            dist_backend_for(backend_cfg, device),
+            rank=replica.rank,
+            world_size=replica.world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+    return replica
+
+
+def shutdown_replica() -> None:
+    """Leave the process group, if one was joined."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def under_torchrun() -> bool:
+    """True when the launcher already set the rendezvous variables for this process."""
+    return all(name in os.environ for name in TORCHRUN_VARS)
+
+
+def free_port() -> int:
+    """A TCP port on localhost that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch_replicas(fn: Callable[..., Any], replicas: int, *args: Any) -> None:
+    """Run ``fn(rank, *args)`` in each of ``replicas`` processes, or here if there is one.
+
+    Under torchrun (or with one replica) this process is the replica and ``fn`` runs in it.
+    Otherwise R processes are spawned; ``fn`` and ``args`` must be picklable. If any child
+    fails, the others are terminated and the child's error is raised here
+    (``torch.multiprocessing.ProcessRaisedException``), so a crash never leaves the parent
+    waiting on a collective.
+    """
+    if under_torchrun():
+        fn(int(os.environ["RANK"]), *args)
+        return
+    if replicas == 1:
+        fn(0, *args)
+        return
+    port = free_port()
+    mp.spawn(_replica_main, args=(fn, replicas, port, args), nprocs=replicas, join=True)
+
+
+def _replica_main(
+    rank: int, fn: Callable[..., Any], replicas: int, port: int, args: tuple[Any, ...]
+) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(replicas),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    fn(rank, *args)
+
+
+def trainable_grads(model: nn.Module) -> list[Tensor]:
+    """Gradients of every trainable parameter; a missing one becomes zeros.
+
+    Every replica must send the same buffers in the same order, even when a parameter got
+    no gradient on one of them this step.
+    """
+    grads = []
+    for param in model.parameters():
+        if not param.requires_grad:
+            continue
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        grads.append(param.grad)
+    return grads
+
+
+def merged_allreduce(grads: list[Tensor], world_size: int) -> int:
+    """Mean the gradients over replicas with ONE all-reduce of a flat buffer; returns 1.
+
+    Shapes: the buffer is [sum of numels]; each gradient is copied back in place.
+    """
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    flat.div_(world_size)
+    offset = 0
+    for grad in grads:
+        grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+        offset += grad.numel()
+    return 1
+
+
+def per_parameter_allreduce(grads: list[Tensor], world_size: int) -> int:
+    """Mean the gradients over replicas with one all-reduce each; returns the count."""
+    for grad in grads:
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM)
+        grad.div_(world_size)
+    return len(grads)
+
+
+def broadcast_parameters(model: nn.Module) -> None:
+    """Copy rank 0's parameters and buffers to every replica so all start identical."""
+    for tensor in [*model.parameters(), *model.buffers()]:
+        dist.broadcast(tensor.data, src=0)

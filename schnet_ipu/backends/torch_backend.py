@@ -1,0 +1,193 @@
+"""Training and prediction steps on CPU or CUDA with the IPU's execution model.
+
+One ``train_call`` takes D x A micro-batches of this replica, like one PopTorch host call:
+D optimiser steps, each accumulating A micro-batches (loss divided by A: a mean), then a
+mean all-reduce of gradients over replicas, gradient clipping, and the optimiser step.
+Every batch must have the signature of the first one; a change raises
+:class:`RecompilationError` instead of silently recompiling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from schnet_ipu.backends.distributed import (
+    ReplicaInfo,
+    broadcast_parameters,
+    merged_allreduce,
+    per_parameter_allreduce,
+    trainable_grads,
+)
+from schnet_ipu.batch import Batch
+
+LossFn = Callable[[nn.Module, Batch], Tensor]
+
+
+class RecompilationError(RuntimeError):
+    """A batch whose shapes differ from the first one: fixed-shape runs never recompile."""
+
+
+class ShapeGuard:
+    """Remembers the first batch signature and rejects any other one.
+
+    ``recompilations`` counts the rejected batches (each would have cost a recompilation).
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.signature: tuple | None = None
+        self.recompilations = 0
+
+    def check(self, batch: Batch) -> None:
+        signature = batch.signature()
+        if self.signature is None:
+            self.signature = signature
+            return
+        if signature == self.signature:
+            return
+        self.recompilations += 1
+        changes = [
+            f"{field} {_describe(old)} -> {_describe(new)}"
+            for (field, old), (_, new) in zip(self.signature, signature, strict=True)
+            if old != new
+        ]
+        raise RecompilationError(
+            f"{self.name} batch shape changed ({'; '.join(changes)}); the step is compiled for "
+            "fixed shapes, so every batch must keep the packing limits and packs_per_batch of "
+            "the first one"
+        )
+
+
+def _describe(entry: tuple | None) -> str:
+    if entry is None:
+        return "absent"
+    shape, dtype = entry
+    return f"{list(shape)} {str(dtype).removeprefix('torch.')}"
+
+
+class TorchBackend:
+    """D optimiser steps of A accumulated micro-batches per call, replicated over processes.
+
+    Args:
+        model: maps a Batch to predictions [G]; moved to ``device``.
+        optimizer: built over ``model``'s parameters.
+        loss_fn: ``loss_fn(model, batch) -> Tensor []``, a mean over the batch's molecules.
+        device: "cpu", "cuda" or "cuda:i" (under replication, the replica's local GPU).
+        device_iterations: D, optimiser steps per ``train_call``.
+        gradient_accumulation: A, micro-batches per optimiser step.
+        merge_allreduce: one all-reduce of a flat buffer per step instead of one per parameter.
+        compile: ``torch.compile(model, dynamic=False)`` instead of eager execution.
+        compile_backend: the torch.compile backend ("aot_eager" skips code generation).
+        grad_clip: max gradient norm after the replica reduction; 0 disables clipping.
+        replica: this process's rank among the replicas (from ``init_replica``).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: LossFn,
+        device: str = "cpu",
+        device_iterations: int = 1,
+        gradient_accumulation: int = 1,
+        merge_allreduce: bool = True,
+        compile: bool = False,
+        compile_backend: str = "inductor",
+        grad_clip: float = 0.0,
+        replica: ReplicaInfo | None = None,
+    ) -> None:
+        self.replica = replica or ReplicaInfo()
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", self.replica.local_rank)
+        self.model = model.to(self.device)
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.device_iterations = device_iterations
+        self.gradient_accumulation = gradient_accumulation
+        self.merge_allreduce = merge_allreduce
+        self.grad_clip = grad_clip
+        self.compiled_graphs = 0
+        self.compile_backend = compile_backend
+        self._run_model: nn.Module = model
+        if compile:
+            self._run_model = torch.compile(model, dynamic=False, backend=self._count_graphs)
+        self._train_guard = ShapeGuard("training")
+        self._predict_guard = ShapeGuard("prediction")
+        self._collectives = 0
+        if self.replica.world_size > 1:
+            broadcast_parameters(self.model)
+
+    @property
+    def recompilations(self) -> int:
+        """Batches rejected because their shapes differed from the first (train + predict)."""
+        return self._train_guard.recompilations + self._predict_guard.recompilations
+
+    @property
+    def collectives_per_step(self) -> int:
+        """Collective calls of the last optimiser step (0 with one replica)."""
+        return self._collectives
+
+    def train_call(self, micro_batches: list[Batch]) -> list[dict]:
+        """Run D optimiser steps over exactly D x A micro-batches of this replica.
+
+        Returns one record per step: ``loss`` (mean over its A micro-batches, this replica),
+        ``molecules`` (real molecules in them, this replica) and ``collectives``.
+        """
+        steps, accum = self.device_iterations, self.gradient_accumulation
+        if len(micro_batches) != steps * accum:
+            raise ValueError(
+                f"train_call needs device_iterations x gradient_accumulation = {steps} x {accum}"
+                f" = {steps * accum} micro-batches, got {len(micro_batches)}"
+            )
+        for batch in micro_batches:
+            self._train_guard.check(batch)
+        self.model.train()
+        losses, molecules = [], []
+        for step in range(steps):
+            group = micro_batches[step * accum : (step + 1) * accum]
+            self.optimizer.zero_grad(set_to_none=True)
+            step_loss = torch.zeros((), device=self.device)
+            for batch in group:
+                loss = self.loss_fn(self._run_model, self._to_device(batch))
+                (loss / accum).backward()
+                step_loss += loss.detach()
+            self._collectives = self._reduce_gradients()
+            if self.grad_clip > 0:
+                nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+            self.optimizer.step()
+            losses.append(step_loss / accum)
+            molecules.append(sum(b.num_molecules for b in group))
+        return [
+            {"loss": float(loss), "molecules": count, "collectives": self._collectives}
+            for loss, count in zip(torch.stack(losses).tolist(), molecules, strict=True)
+        ]
+
+    @torch.no_grad()
+    def predict(self, batch: Batch) -> Tensor:
+        """Predictions [G] for one batch, in eval mode, returned on the host."""
+        self._predict_guard.check(batch)
+        self.model.eval()
+        return self._run_model(self._to_device(batch)).cpu()
+
+    def _to_device(self, batch: Batch) -> Batch:
+        if self.device.type != "cuda":
+            return batch.to(self.device)
+        if not batch.z.is_pinned():
+            batch = batch.pin_memory()
+        return batch.to(self.device, non_blocking=True)
+
+    def _reduce_gradients(self) -> int:
+        if self.replica.world_size == 1:
+            return 0
+        grads = trainable_grads(self.model)
+        reduce = merged_allreduce if self.merge_allreduce else per_parameter_allreduce
+        return reduce(grads, self.replica.world_size)
+
+    def _count_graphs(self, graph: torch.fx.GraphModule, example_inputs: list[Tensor]):
+        """torch.compile backend: ``compile_backend``, counting each graph dynamo hands over."""
+        self.compiled_graphs += 1
+        return torch._dynamo.lookup_backend(self.compile_backend)(graph, example_inputs)
