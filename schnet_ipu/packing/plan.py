@@ -178,6 +178,7 @@ def assign_packs(
         raise PackingError("molecule sizes do not match the plan's slots; re-plan for this data")
     filled = np.empty_like(molecules)
     filled[slots] = molecules
-    ends = np.cumsum(np.repeat([len(t) for t in plan.templates], plan.counts).astype(np.int64))
-    packs = np.split(filled, ends[:-1])
-    return [packs[i] for i in rng.permutation(len(packs))]
+    lengths = np.repeat([len(t) for t in plan.templates], plan.counts).astype(np.int64)
+    ends = np.cumsum(lengths)
+    order = rng.permutation(len(lengths))
+    return [filled[a:b] for a, b in zip((ends - lengths)[order].tolist(), ends[order].tolist())]

@@ -47,7 +47,7 @@ def tuple_curve(
     ratio = float((pairs[:, 1] * counts).sum() / (pairs[:, 0] * counts).sum())
     rows = []
     for nodes in node_limits:
-        edges = max_edges or max(_even_ceil(nodes * ratio), _even_ceil(pairs[:, 1].max()))
+        edges = max_edges or max(_even_ceil(nodes * ratio), _even_ceil(pairs[:, 1].max()), 2)
         plan = tuple_pack(pairs, counts, nodes, edges, max_graphs or nodes, heuristic)
         rows.append((nodes, edges, plan.node_efficiency, plan.edge_efficiency))
     return rows
