@@ -181,4 +181,5 @@ def assign_packs(
     lengths = np.repeat([len(t) for t in plan.templates], plan.counts).astype(np.int64)
     ends = np.cumsum(lengths)
     order = rng.permutation(len(lengths))
-    return [filled[a:b] for a, b in zip((ends - lengths)[order].tolist(), ends[order].tolist())]
+    starts, ends = (ends - lengths)[order].tolist(), ends[order].tolist()
+    return [filled[a:b] for a, b in zip(starts, ends, strict=True)]
