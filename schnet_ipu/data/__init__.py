@@ -1,0 +1,63 @@
+"""Molecular data: importers into one HDF5 store, splits and neighbour graphs.
+
+store = MoleculeStore(ensure_store(cfg.data))
+split = load_or_make_split(store.path, len(store), cfg.data.val, cfg.data.test, cfg.seed)
+z, pos = store.molecule(split["train"][0])
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from ..config import DataConfig
+from .graphs import edge_counts, knn_edges, molecule_pairs, radius_edges
+from .hydronet import import_hydronet
+from .qm9 import import_qm9, import_qm9_raw
+from .splits import load_or_make_split, make_split
+from .store import MoleculeStore, StoreError, write_store
+from .water import generate_water
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "MoleculeStore",
+    "StoreError",
+    "edge_counts",
+    "ensure_store",
+    "generate_water",
+    "import_hydronet",
+    "import_qm9",
+    "import_qm9_raw",
+    "knn_edges",
+    "load_or_make_split",
+    "make_split",
+    "molecule_pairs",
+    "radius_edges",
+    "write_store",
+]
+
+
+def ensure_store(data_cfg: DataConfig, progress: bool = True) -> Path:
+    """Return ``data_cfg.path``, importing ``data_cfg.source`` into it first when missing."""
+    path = Path(data_cfg.path)
+    if path.exists():
+        return path
+    source = data_cfg.source
+    if source in ("qm9-raw", "hydronet") and not data_cfg.raw_dir:
+        raise StoreError(f"{path} is missing and data.source={source} needs data.raw_dir")
+    log.info("%s not found: importing data.source=%s", path, source)
+    start = time.perf_counter()
+    if source == "qm9":
+        import_qm9(path, progress=progress)
+    elif source == "qm9-raw":
+        import_qm9_raw(data_cfg.raw_dir, path, progress=progress)
+    elif source == "hydronet":
+        import_hydronet(data_cfg.raw_dir, path, data_cfg.hydronet_subset)
+    elif source == "water":
+        generate_water(path, data_cfg.water_clusters, tuple(data_cfg.water_sizes), seed=0)
+    else:
+        raise StoreError(f"unknown data.source {source!r} (qm9, qm9-raw, hydronet, water)")
+    log.info("imported %s into %s in %.1f s", source, path, time.perf_counter() - start)
+    return path
