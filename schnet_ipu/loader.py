@@ -1,0 +1,310 @@
+"""Packs -> fixed-shape batches, loaded asynchronously by worker processes.
+
+One epoch is a list of packs (from :func:`schnet_ipu.packing.assign_packs`, re-drawn per
+epoch), cut into micro-batches of B packs. A host call takes ``device_iterations x
+gradient_accumulation`` micro-batches per replica, and replica r of R reads its own
+share: global micro-batch ``(call * R + r) * calls_micro + j``. The epoch is padded at
+its tail with empty packs so every replica gets the same number of host calls; those
+packs are all padding and contribute nothing.
+
+Workers are torch DataLoader workers. Each opens the HDF5 store lazily and keeps its own
+molecule cache; the sampler hands out ``(epoch, index)`` keys, so a batch depends only on
+the seed, the epoch and its index, never on which worker built it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from schnet_ipu.batch import Batch
+from schnet_ipu.data import MoleculeStore
+from schnet_ipu.data.graphs import molecule_pairs
+from schnet_ipu.packing import PackPlan, assign_packs
+
+PADDING_SPACING = 100.0  # Angstrom between padding atoms; far beyond any cutoff
+PADDING_ORIGIN = 1000.0  # Angstrom; padding atoms sit on a line starting here
+
+
+class LoaderError(RuntimeError):
+    """A batch could not be built or changed shape mid-run."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How micro-batches are shaped and shared out.
+
+    Shapes of every batch: N = packs_per_batch * max_nodes atoms, G = packs_per_batch *
+    max_graphs slots, E = packs_per_batch * max_edges edges (radius graphs only).
+    """
+
+    packs_per_batch: int
+    max_nodes: int
+    max_graphs: int
+    max_edges: int | None  # directed edges per pack; None for knn graphs
+    micro_per_call: int = 1  # device_iterations x gradient_accumulation
+    replicas: int = 1
+    replica: int = 0
+
+    @classmethod
+    def from_plan(cls, plan: PackPlan, packs_per_batch: int, radius: bool, **share) -> Layout:
+        return cls(
+            packs_per_batch=packs_per_batch,
+            max_nodes=plan.max_nodes,
+            max_graphs=plan.max_graphs,
+            max_edges=plan.max_edges if radius else None,
+            **share,
+        )
+
+
+class PackedDataset(Dataset):
+    """Map-style dataset: key ``(epoch, i)`` -> this replica's i-th micro-batch of that epoch.
+
+    Args:
+        store: the molecule store (pickled into workers without its file handle).
+        indices: int64 [M] store indices of the molecules of this split.
+        targets: float64 [len(store)] regression target of every store molecule.
+        plan: the packing plan for this split (from the node/edge counts of ``indices``).
+        layout: batch shapes and this replica's share.
+        cutoff: radius-graph cutoff in Angstrom (used only when ``layout.max_edges``).
+        seed: the run seed; packs are re-drawn from (seed, epoch).
+        edge_counts: int64 [M] directed edges per molecule of ``indices`` (radius graphs).
+        shuffle: re-draw pack contents per epoch (False: the same packs every epoch).
+    """
+
+    def __init__(
+        self,
+        store: MoleculeStore,
+        indices: np.ndarray,
+        targets: np.ndarray,
+        plan: PackPlan,
+        layout: Layout,
+        cutoff: float,
+        seed: int,
+        edge_counts: np.ndarray | None = None,
+        shuffle: bool = True,
+    ) -> None:
+        self.store = store
+        self.indices = np.asarray(indices, dtype=np.int64)
+        self.node_counts = store.num_atoms[self.indices]
+        self.edge_counts = edge_counts
+        self.targets = targets
+        self.plan = plan
+        self.layout = layout
+        self.cutoff = cutoff
+        self.seed = seed
+        self.shuffle = shuffle
+        self._packs_epoch: int | None = None
+        self._packs: list[np.ndarray] = []
+        self._pairs: dict[int, np.ndarray] = {}  # store index -> int16 [P, 2] local pairs
+
+    # --- sizes -----------------------------------------------------------------------------
+
+    @property
+    def calls_per_epoch(self) -> int:
+        """Host calls per replica per epoch (equal on every replica)."""
+        lay = self.layout
+        micro = math.ceil(self.plan.num_packs / lay.packs_per_batch)
+        return math.ceil(micro / (lay.micro_per_call * lay.replicas))
+
+    def __len__(self) -> int:
+        """Micro-batches this replica reads per epoch."""
+        return self.calls_per_epoch * self.layout.micro_per_call
+
+    # --- items -----------------------------------------------------------------------------
+
+    def packs(self, epoch: int) -> list[np.ndarray]:
+        """Store indices of the molecules of every pack of the epoch (cached per epoch)."""
+        if self._packs_epoch != epoch:
+            draw = epoch if self.shuffle else 0
+            local = assign_packs(self.plan, self.node_counts, self.edge_counts, self.seed, draw)
+            self._packs = [self.indices[p] for p in local]
+            self._packs_epoch = epoch
+        return self._packs
+
+    def global_micro_batch(self, i: int) -> int:
+        lay = self.layout
+        call, j = divmod(i, lay.micro_per_call)
+        return (call * lay.replicas + lay.replica) * lay.micro_per_call + j
+
+    def __getitem__(self, key: tuple[int, int]) -> Batch:
+        epoch, i = key
+        packs = self.packs(epoch)
+        first = self.global_micro_batch(i) * self.layout.packs_per_batch
+        chosen = packs[first : first + self.layout.packs_per_batch]
+        return self.collate(chosen)
+
+    def collate(self, packs: list[np.ndarray]) -> Batch:
+        """B packs (fewer at the epoch's tail: the rest are empty) -> one fixed-shape Batch."""
+        lay = self.layout
+        n_total = lay.packs_per_batch * lay.max_nodes
+        g_total = lay.packs_per_batch * lay.max_graphs
+        z = np.zeros(n_total, dtype=np.int64)
+        pos = np.zeros((n_total, 3), dtype=np.float32)
+        graph = np.full(n_total, g_total, dtype=np.int64)
+        y = np.zeros(g_total, dtype=np.float32)
+        molecule_index = np.full(g_total, -1, dtype=np.int64)
+        pairs: list[np.ndarray] = []
+        pair_slots = []  # (pack, number of pairs) to check the edge limit per pack
+
+        for p, pack in enumerate(packs):
+            node = p * lay.max_nodes
+            pack_pairs = 0
+            for slot, index in enumerate(pack):
+                mol_z, mol_pos = self._read(int(index))
+                n = len(mol_z)
+                g = p * lay.max_graphs + slot
+                z[node : node + n] = mol_z
+                pos[node : node + n] = mol_pos
+                graph[node : node + n] = g
+                y[g] = self.targets[index]
+                molecule_index[g] = index
+                if lay.max_edges is not None:
+                    mol_pairs = self._molecule_pairs(int(index), mol_pos)
+                    pairs.append(mol_pairs.astype(np.int64) + node)
+                    pack_pairs += len(mol_pairs)
+                node += n
+            if node > (p + 1) * lay.max_nodes or len(pack) > lay.max_graphs:
+                raise LoaderError(f"pack {p} overflows its limits: molecules {list(pack)}")
+            pair_slots.append(pack_pairs)
+
+        node_mask = graph < g_total
+        padding = np.flatnonzero(~node_mask)
+        pos[padding, 0] = PADDING_ORIGIN + PADDING_SPACING * np.arange(len(padding))
+        batch = Batch(
+            z=torch.from_numpy(z),
+            pos=torch.from_numpy(pos),
+            graph=torch.from_numpy(graph),
+            node_mask=torch.from_numpy(node_mask),
+            y=torch.from_numpy(y),
+            graph_mask=torch.from_numpy(molecule_index >= 0),
+            molecule_index=torch.from_numpy(molecule_index),
+        )
+        if lay.max_edges is not None:
+            if max(pair_slots, default=0) * 2 > lay.max_edges:
+                raise LoaderError(f"a pack holds more than {lay.max_edges} edges")
+            filler = int(padding[0]) if len(padding) else 0
+            batch.edge_index, batch.edge_mask = _edge_halves(
+                pairs, lay.packs_per_batch * lay.max_edges // 2, filler
+            )
+        return batch
+
+    def _read(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        try:
+            return self.store.molecule(index)
+        except Exception as err:
+            raise LoaderError(
+                f"cannot read molecule {index} from {self.store.path}: {err}"
+            ) from err
+
+    def _molecule_pairs(self, index: int, pos: np.ndarray) -> np.ndarray:
+        if index not in self._pairs:
+            i, j = molecule_pairs(torch.from_numpy(pos), self.cutoff)
+            self._pairs[index] = torch.stack([i, j], dim=1).numpy().astype(np.int16)
+        return self._pairs[index]
+
+
+def _edge_halves(
+    pairs: list[np.ndarray], half: int, filler: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward pairs padded to ``half`` with (filler, filler), then the same pairs reversed.
+
+    Returns edge_index int64 [2, 2 * half] and edge_mask bool [2 * half].
+    """
+    forward = np.full((half, 2), filler, dtype=np.int64)
+    real = np.concatenate(pairs) if pairs else np.zeros((0, 2), dtype=np.int64)
+    forward[: len(real)] = real
+    mask = np.zeros(half, dtype=bool)
+    mask[: len(real)] = True
+    edge_index = np.concatenate([forward.T, forward.T[::-1]], axis=1)
+    return torch.from_numpy(np.ascontiguousarray(edge_index)), torch.from_numpy(
+        np.concatenate([mask, mask])
+    )
+
+
+class EpochSampler(Sampler):
+    """Yields ``(epoch, i)`` keys for i in [start, length); the loader sets both."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+        self.epoch = 0
+        self.start = 0
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        return ((self.epoch, i) for i in range(self.start, self.length))
+
+    def __len__(self) -> int:
+        return self.length - self.start
+
+
+def _keep(batch: Batch) -> Batch:
+    return batch
+
+
+class PackedLoader:
+    """Iterates host calls (lists of ``micro_per_call`` Batches) over an epoch.
+
+    ``workers = 0`` builds batches synchronously in this process (same batches, for
+    debugging); otherwise persistent worker processes build them with ``prefetch`` batches
+    buffered per worker. Every batch is checked against the first batch's shapes.
+    """
+
+    def __init__(
+        self, dataset: PackedDataset, workers: int = 0, prefetch: int = 2, pin_memory: bool = False
+    ) -> None:
+        self.dataset = dataset
+        self.sampler = EpochSampler(len(dataset))
+        self.signature: tuple | None = None
+        self.loader = DataLoader(
+            dataset,
+            batch_size=None,
+            sampler=self.sampler,
+            collate_fn=_keep,
+            num_workers=workers,
+            prefetch_factor=prefetch if workers else None,
+            persistent_workers=workers > 0,
+            pin_memory=pin_memory,
+        )
+
+    def __len__(self) -> int:
+        """Host calls per epoch."""
+        return self.dataset.calls_per_epoch
+
+    def epoch(self, epoch: int, start_call: int = 0) -> Iterator[list[Batch]]:
+        """Host calls of an epoch, from ``start_call`` on (a resumed epoch skips the rest)."""
+        self.sampler.epoch = epoch
+        self.sampler.start = start_call * self.dataset.layout.micro_per_call
+        call: list[Batch] = []
+        for batch in self._batches():
+            self.check_shape(batch)
+            call.append(batch)
+            if len(call) == self.dataset.layout.micro_per_call:
+                yield call
+                call = []
+
+    def _batches(self) -> Iterator[Batch]:
+        """The DataLoader's batches; a worker that dies becomes a LoaderError, not a hang."""
+        try:
+            yield from self.loader
+        except LoaderError:
+            raise
+        except (RuntimeError, ConnectionError, EOFError) as err:
+            raise LoaderError(
+                f"a data-loading worker died ({type(err).__name__}: {err}); the run stops. "
+                "Out of memory? Try fewer loader.workers."
+            ) from err
+
+    def check_shape(self, batch: Batch) -> None:
+        signature = batch.signature()
+        if self.signature is None:
+            self.signature = signature
+        elif signature != self.signature:
+            raise LoaderError(
+                f"batch shapes changed mid-run: {signature} != {self.signature}; "
+                "fixed-shape batches are a contract of the loader"
+            )

@@ -1,0 +1,185 @@
+"""Fixed-shape batches from real QM9 rows: shapes, masks, cover, determinism, failures."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+import pytest
+import torch
+
+from schnet_ipu.data import MoleculeStore, edge_counts, import_qm9
+from schnet_ipu.loader import Layout, LoaderError, PackedDataset, PackedLoader
+from schnet_ipu.packing import plan_packing
+
+CUTOFF = 5.0
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> MoleculeStore:
+    path = tmp_path_factory.mktemp("qm9") / "qm9_300.h5"
+    import_qm9(path, limit=300)
+    return MoleculeStore(path)
+
+
+def make_dataset(store, radius=False, replicas=1, replica=0, micro=1, indices=None, targets=None):
+    indices = np.arange(len(store)) if indices is None else indices
+    nodes = store.num_atoms[indices]
+    edges = edge_counts(store, CUTOFF)[indices] if radius else None
+    plan = plan_packing(
+        nodes, edges, algorithm="tuple" if radius else "lpfhp", target_efficiency=0.9
+    )
+    layout = Layout.from_plan(
+        plan,
+        packs_per_batch=4,
+        radius=radius,
+        micro_per_call=micro,
+        replicas=replicas,
+        replica=replica,
+    )
+    targets = store.target("U0") if targets is None else targets
+    return PackedDataset(store, indices, targets, plan, layout, CUTOFF, seed=7, edge_counts=edges)
+
+
+def epoch_batches(loader: PackedLoader, epoch: int) -> list:
+    return [b for call in loader.epoch(epoch) for b in call]
+
+
+@pytest.mark.parametrize("radius", [False, True], ids=["knn", "radius"])
+def test_shapes_fixed_over_epochs_and_cover_exact(store, radius):
+    dataset = make_dataset(store, radius=radius)
+    loader = PackedLoader(dataset)
+    lay = dataset.layout
+    for epoch in range(2):
+        batches = epoch_batches(loader, epoch)
+        assert len({b.signature() for b in batches}) == 1
+        b = batches[0]
+        assert b.z.shape == (lay.packs_per_batch * lay.max_nodes,)
+        assert b.y.shape == (lay.packs_per_batch * lay.max_graphs,)
+        assert b.graph.dtype == torch.int64 and b.molecule_index.dtype == torch.int64
+        if radius:
+            assert b.edge_index.shape == (2, lay.packs_per_batch * lay.max_edges)
+        seen = torch.cat([b.molecule_index[b.graph_mask] for b in batches]).numpy()
+        assert sorted(seen.tolist()) == list(range(len(store)))  # each molecule exactly once
+
+
+def test_batches_hold_the_store_molecules_and_masks_are_right(store):
+    dataset = make_dataset(store)
+    targets = store.target("U0")
+    for b in epoch_batches(PackedLoader(dataset), 0):
+        G = b.num_graphs
+        assert torch.equal(b.node_mask, b.z > 0)
+        assert torch.equal(b.node_mask, b.graph < G)
+        assert torch.equal(b.graph_mask, b.molecule_index >= 0)
+        for slot in torch.nonzero(b.graph_mask).flatten().tolist():
+            index = int(b.molecule_index[slot])
+            z, pos = store.molecule(index)
+            atoms = b.graph == slot
+            assert torch.equal(b.z[atoms], torch.from_numpy(z.astype(np.int64)))
+            assert torch.allclose(b.pos[atoms], torch.from_numpy(pos))
+            assert b.y[slot] == pytest.approx(targets[index], rel=1e-6)
+        # padding atoms are further than any cutoff from everything else
+        padding, real = b.pos[~b.node_mask], b.pos[b.node_mask]
+        if len(padding):
+            assert torch.cdist(padding, real).min() > 10 * CUTOFF
+            distances = torch.cdist(padding, padding) + 1e9 * torch.eye(len(padding))
+            assert distances.min() > 10 * CUTOFF
+
+
+def test_radius_edges_are_halves_within_molecules_and_complete(store):
+    dataset = make_dataset(store, radius=True)
+    for b in epoch_batches(PackedLoader(dataset), 0):
+        half = b.edge_index.shape[1] // 2
+        forward, backward = b.edge_index[:, :half], b.edge_index[:, half:]
+        assert torch.equal(backward, forward.flip(0))
+        assert torch.equal(b.edge_mask[:half], b.edge_mask[half:])
+        src, dst = forward[:, b.edge_mask[:half]]
+        assert torch.all(b.graph[src] == b.graph[dst]) and torch.all(b.node_mask[src])
+        assert torch.all(src < dst)
+        # every pair within the cutoff inside a molecule is present, once
+        d = torch.cdist(b.pos, b.pos)
+        same = (b.graph[:, None] == b.graph[None, :]) & b.node_mask[:, None]
+        expected = torch.nonzero(torch.triu(same & (d < CUTOFF), diagonal=1))
+        got = torch.stack([src, dst], 1)
+        assert sorted(map(tuple, expected.tolist())) == sorted(map(tuple, got.tolist()))
+
+
+def test_a_real_target_of_zero_is_trained(store):
+    dataset = make_dataset(store, targets=np.zeros(len(store)))
+    batch = dataset[(0, 0)]
+    assert batch.graph_mask.sum() > 0 and torch.all(batch.y[batch.graph_mask] == 0)
+
+
+def test_epochs_redraw_contents_but_not_shapes(store):
+    dataset = make_dataset(store)
+    a, b = dataset[(0, 0)], dataset[(1, 0)]
+    assert a.signature() == b.signature()
+    assert not torch.equal(a.molecule_index, b.molecule_index)
+    assert torch.equal(dataset[(0, 0)].molecule_index, a.molecule_index)
+
+
+def test_same_batches_whatever_the_worker_count(store):
+    dataset = make_dataset(store, radius=True)
+    reference = epoch_batches(PackedLoader(dataset, workers=0), 1)
+    workers = PackedLoader(dataset, workers=2, prefetch=2)
+    for epoch in (1, 1):  # persistent workers serve the same epoch twice
+        for x, y in zip(reference, epoch_batches(workers, epoch), strict=True):
+            assert x.signature() == y.signature()
+            for t, u in zip(x.as_tuple(), y.as_tuple(), strict=True):
+                assert torch.equal(t, u)
+
+
+def test_replicas_read_distinct_shares_that_cover_the_epoch(store):
+    shares = []
+    for replica in range(2):
+        dataset = make_dataset(store, replicas=2, replica=replica, micro=2)
+        loader = PackedLoader(dataset)
+        calls = list(loader.epoch(0))
+        assert all(len(call) == 2 for call in calls)
+        shares.append(torch.cat([b.molecule_index[b.graph_mask] for c in calls for b in c]))
+    assert len(shares[0]) > 0 and len(shares[1]) > 0
+    assert not set(shares[0].tolist()) & set(shares[1].tolist())
+    assert sorted(torch.cat(shares).tolist()) == list(range(len(store)))
+
+
+def test_resume_starts_at_the_requested_call(store):
+    loader = PackedLoader(make_dataset(store))
+    everything = list(loader.epoch(0))
+    rest = list(loader.epoch(0, start_call=3))
+    assert len(rest) == len(everything) - 3
+    assert torch.equal(rest[0][0].molecule_index, everything[3][0].molecule_index)
+
+
+def test_shape_change_fails_loudly(store):
+    loader = PackedLoader(make_dataset(store))
+    batch = make_dataset(store)[(0, 0)]
+    loader.check_shape(batch)
+    batch.z = batch.z[:-1]
+    with pytest.raises(LoaderError, match="batch shapes changed"):
+        loader.check_shape(batch)
+
+
+def test_unreadable_molecule_names_the_molecule_and_file(store, tmp_path):
+    broken = tmp_path / "broken.h5"
+    broken.write_bytes(store.path.read_bytes())
+    dataset = make_dataset(MoleculeStore(broken))
+    broken.write_bytes(b"not hdf5 any more")  # the worker opens the file lazily, after this
+    with pytest.raises(LoaderError, match=r"cannot read molecule \d+ from .*broken\.h5"):
+        epoch_batches(PackedLoader(dataset, workers=1), 0)
+
+
+class _DyingDataset(PackedDataset):
+    """Kills its worker process on the third batch: a crash no exception can report."""
+
+    def __getitem__(self, key):
+        if key[1] == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().__getitem__(key)
+
+
+def test_a_killed_worker_stops_the_run_instead_of_hanging(store):
+    dataset = make_dataset(store)
+    dataset.__class__ = _DyingDataset
+    with pytest.raises(RuntimeError, match=r"(?i)worker"):
+        epoch_batches(PackedLoader(dataset, workers=1), 0)
