@@ -31,7 +31,9 @@ def test_int_is_accepted_where_float_expected():
 def test_unknown_key_names_itself_and_closest_key(tmp_path):
     with pytest.raises(ConfigError, match=r"unknown config key optim\.lrr; did you mean optim\.lr"):
         load_config(None, ["optim.lrr=1e-3"])
-    with pytest.raises(ConfigError, match=r"unknown config key model\.hiden_channels.*hidden_channels"):
+    with pytest.raises(
+        ConfigError, match=r"unknown config key model\.hiden_channels.*hidden_channels"
+    ):
         load_config(write(tmp_path, "model:\n  hiden_channels: 64\n"))
     with pytest.raises(ConfigError, match=r"unknown config key optimiser; did you mean optim"):
         load_config(None, ["optimiser.lr=1"])
@@ -49,7 +51,9 @@ def test_wrong_type_names_key_expected_type_and_value(tmp_path):
 
 
 def test_bad_choice_suggests_the_closest():
-    with pytest.raises(ConfigError, match=r"model\.graph = 'knnn' is not one of knn, radius; did you mean 'knn'"):
+    with pytest.raises(
+        ConfigError, match=r"model\.graph = 'knnn' is not one of knn, radius; did you mean 'knn'"
+    ):
         load_config(None, ["model.graph=knnn"])
 
 
@@ -70,7 +74,7 @@ def test_impossible_combinations_say_what_to_change(overrides, message):
 
 
 def test_override_syntax_and_sections():
-    with pytest.raises(ConfigError, match="section.key=value"):
+    with pytest.raises(ConfigError, match=r"section\.key=value"):
         load_config(None, ["optim.lr"])
     with pytest.raises(ConfigError, match="is a section"):
         load_config(None, ["optim=3"])

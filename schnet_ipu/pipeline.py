@@ -1,0 +1,213 @@
+"""From a config to ready data: store, split, targets, packing plans, baseline, loaders.
+
+Everything here runs before the first step and checks what needs the data: a molecule
+larger than the pack limits, or more replicas than the epoch has batches to feed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+
+from schnet_ipu.baseline import element_counts, fit_dressed_atoms, predict_dressed_atoms
+from schnet_ipu.config import Config, ConfigError
+from schnet_ipu.data import MoleculeStore, edge_counts, ensure_store, load_or_make_split
+from schnet_ipu.loader import Layout, PackedDataset, PackedLoader
+from schnet_ipu.packing import PackingError, PackPlan, plan_packing
+
+log = logging.getLogger("schnet_ipu")
+
+SPLITS = ("train", "val", "test")
+
+
+@contextmanager
+def stage(name: str, timings: dict[str, float]):
+    """Log a preparation stage and how long it took."""
+    start = time.perf_counter()
+    yield
+    timings[name] = time.perf_counter() - start
+    log.info("%s: %.2f s", name, timings[name])
+
+
+@dataclass
+class PreparedData:
+    """The data side of a run, shared by training, evaluation and prediction."""
+
+    store: MoleculeStore
+    split: dict[str, np.ndarray]  # split name -> int64 store indices
+    targets: np.ndarray  # float64 [M]: the target, minus atom references when enabled
+    unit: str
+    edge_counts: np.ndarray | None  # int64 [M] directed edges within the cutoff (radius)
+    plans: dict[str, PackPlan]  # split name -> plan with the run's shared limits
+    counts: np.ndarray  # uint16 [M, 119] element counts per molecule
+    dressed_atoms: np.ndarray  # float64 [119] baseline energy per element (train fit)
+    timings: dict[str, float]
+
+    @property
+    def train_plan(self) -> PackPlan:
+        return self.plans["train"]
+
+    def baseline_errors(self, split: str) -> np.ndarray:
+        """[M_split] dressed-atom prediction minus target."""
+        index = self.split[split]
+        prediction = predict_dressed_atoms(self.counts[index], self.dressed_atoms)
+        return prediction - self.targets[index]
+
+    def residual_std(self) -> float:
+        """Spread of the training targets around the dressed-atom baseline (loss scale)."""
+        return float(np.std(self.baseline_errors("train"))) or 1.0
+
+    def mean_atoms(self) -> float:
+        return float(self.store.num_atoms[self.split["train"]].mean())
+
+
+def prepare_data(cfg: Config) -> PreparedData:
+    timings: dict[str, float] = {}
+    with stage("store", timings):
+        store = MoleculeStore(ensure_store(cfg.data), cache=cfg.loader.cache)
+        log.info("store %s: %d molecules, %s", store.path, len(store), store.attrs.get("source"))
+    with stage("split", timings):
+        split = load_or_make_split(
+            store.path, len(store), cfg.data.val, cfg.data.test, cfg.seed, cfg.data.subset
+        )
+        for name in SPLITS:
+            if len(split[name]) == 0:
+                raise ConfigError(f"the {name} split is empty; change data.val/data.test/subset")
+        log.info("split: %s", ", ".join(f"{k} {len(v)}" for k, v in split.items()))
+    with stage("targets and baseline", timings):
+        targets = store.target(cfg.data.target).astype(np.float64)
+        z, _ = store.concatenated()
+        counts = element_counts(z, store.offsets)
+        atomref = store.atomref(cfg.data.target)
+        if cfg.data.atomrefs and atomref is not None:
+            targets = targets - counts @ atomref
+        dressed = fit_dressed_atoms(counts[split["train"]], targets[split["train"]])
+    edges = None
+    if cfg.model.graph == "radius":
+        with stage(f"edge counts at {cfg.model.cutoff} A", timings):
+            edges = edge_counts(store, cfg.model.cutoff)
+    with stage("packing plan", timings):
+        plans = plan_splits(cfg, store, split, edges)
+        p = plans["train"]
+        log.info(
+            "packing %s: %d atoms, %s edges, %d molecules per pack; %d packs, node efficiency "
+            "%.2f%%",
+            p.algorithm,
+            p.max_nodes,
+            p.max_edges,
+            p.max_graphs,
+            p.num_packs,
+            100 * p.node_efficiency,
+        )
+    return PreparedData(
+        store=store,
+        split=split,
+        targets=targets,
+        unit=store.unit(cfg.data.target),
+        edge_counts=edges,
+        plans=plans,
+        counts=counts,
+        dressed_atoms=dressed,
+        timings=timings,
+    )
+
+
+def plan_splits(
+    cfg: Config, store: MoleculeStore, split: dict[str, np.ndarray], edges: np.ndarray | None
+) -> dict[str, PackPlan]:
+    """Plan the training split, then every split with the same limits (one batch shape).
+
+    The limits must hold the largest molecule of any split, so the automatic search on the
+    training histogram is redone with that floor when a val/test molecule is larger.
+    """
+    pc = cfg.packing
+    radius = cfg.model.graph == "radius"
+    algorithm = pc.algorithm
+
+    def plan(name: str, max_nodes: int, max_edges: int, max_graphs: int) -> PackPlan:
+        index = split[name]
+        try:
+            return plan_packing(
+                store.num_atoms[index],
+                edges[index] if radius else None,
+                algorithm=algorithm,
+                max_nodes=max_nodes,
+                max_edges=max_edges,
+                max_graphs=max_graphs,
+                target_efficiency=pc.target_efficiency,
+                heuristic=pc.heuristic,
+            )
+        except PackingError as err:
+            raise ConfigError(
+                f"{name} split: {err} (packing.max_nodes / packing.max_edges)"
+            ) from err
+
+    everything = np.concatenate([split[s] for s in SPLITS])
+    floor_nodes = int(store.num_atoms[everything].max())
+    floor_edges = int(edges[everything].max()) if radius else 0
+    max_nodes = pc.max_nodes or 0
+    max_edges = pc.max_edges if radius else 0
+    train = plan("train", max_nodes, max_edges, pc.max_graphs)
+    too_small = train.max_nodes < floor_nodes or (radius and train.max_edges < floor_edges)
+    if too_small and not pc.max_nodes and not pc.max_edges:
+        train = plan(
+            "train", max(train.max_nodes, floor_nodes), max(train.max_edges or 0, floor_edges), 0
+        )
+    if cfg.model.graph == "knn" and cfg.model.k >= train.max_nodes:
+        raise ConfigError(
+            f"model.k={cfg.model.k} needs packs of more than k atoms, but packs hold "
+            f"{train.max_nodes}; lower model.k or raise packing.max_nodes"
+        )
+    plans = {"train": train}
+    for name in ("val", "test"):
+        plans[name] = plan(name, train.max_nodes, train.max_edges or 0, train.max_graphs)
+    return plans
+
+
+def make_loader(
+    cfg: Config,
+    data: PreparedData,
+    split: str,
+    replica: int = 0,
+    replicas: int = 1,
+    pin_memory: bool = False,
+) -> PackedLoader:
+    """The loader of one split for one replica; training reads D x A micro-batches per call."""
+    training = split == "train"
+    micro = cfg.backend.device_iterations * cfg.backend.gradient_accumulation if training else 1
+    plan = data.plans[split]
+    layout = Layout.from_plan(
+        data.train_plan,
+        cfg.packing.packs_per_batch,
+        radius=cfg.model.graph == "radius",
+        micro_per_call=micro,
+        replicas=replicas,
+        replica=replica,
+    )
+    index = data.split[split]
+    dataset = PackedDataset(
+        data.store,
+        index,
+        data.targets,
+        plan,
+        layout,
+        cutoff=cfg.model.cutoff,
+        seed=cfg.seed,
+        edge_counts=None if data.edge_counts is None else data.edge_counts[index],
+        shuffle=training,
+    )
+    if training:
+        needed = micro * replicas * cfg.packing.packs_per_batch
+        if plan.num_packs < needed:
+            raise ConfigError(
+                f"the training split fills {plan.num_packs} packs, but one step of "
+                f"{replicas} replica(s) x {micro} micro-batch(es) x "
+                f"{cfg.packing.packs_per_batch} packs needs {needed}; lower backend.replicas, "
+                "backend.device_iterations, backend.gradient_accumulation or "
+                "packing.packs_per_batch, or use more data"
+            )
+    return PackedLoader(dataset, cfg.loader.workers, cfg.loader.prefetch, pin_memory=pin_memory)

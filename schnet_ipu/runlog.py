@@ -1,0 +1,107 @@
+"""The run directory's logs: metrics.jsonl, optional wandb (offline by default), the plot.
+
+``metrics.jsonl`` holds one JSON object per line with ``"kind"`` in ``step``, ``epoch``,
+``final`` (and ``stage`` for the timings of data preparation). Epoch records carry
+``epoch``, ``train_loss``, ``val_mae``, ``molecules_per_s``; the final record carries
+``test_mae``, ``test_rmse``, ``baseline_test_mae``, ``unit``, ``wall_seconds``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+from schnet_ipu.config import Config, ConfigError
+
+log = logging.getLogger("schnet_ipu")
+
+
+class RunLog:
+    """Appends records to ``run_dir/metrics.jsonl`` and mirrors them to wandb when enabled."""
+
+    def __init__(self, run_dir: Path, cfg: Config) -> None:
+        self.path = run_dir / "metrics.jsonl"
+        self.wandb = None
+        if cfg.logging.wandb and cfg.logging.wandb_mode != "disabled":
+            try:
+                import wandb
+            except ImportError as err:
+                raise ConfigError(
+                    "logging.wandb=true needs the wandb package: pip install 'schnet-ipu[wandb]'"
+                ) from err
+            self.wandb = wandb.init(
+                project="schnet-ipu",
+                dir=str(run_dir),
+                mode=cfg.logging.wandb_mode,
+                config=cfg.to_dict(),
+                resume="allow",
+            )
+
+    def write(self, kind: str, **fields: Any) -> None:
+        record = {"kind": kind, **{k: _plain(v) for k, v in fields.items()}}
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.wandb is not None:
+            numbers = {f"{kind}/{k}": v for k, v in record.items() if isinstance(v, (int, float))}
+            self.wandb.log(numbers)
+
+    def close(self) -> None:
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def read_records(path: Path, kind: str | None = None) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in records if kind is None or r["kind"] == kind]
+
+
+def truncate_after(path: Path, epoch: int, call: int) -> None:
+    """On resume, drop records written after the checkpoint (they will be written again)."""
+    kept = [
+        r
+        for r in read_records(path)
+        if r["kind"] == "stage"
+        or (r["kind"] == "epoch" and r["epoch"] < epoch)
+        or (r["kind"] == "step" and (r["epoch"], r["call"]) < (epoch, call))
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+
+def plot_learning_curve(metrics_path: Path, out: Path, unit: str) -> None:
+    """Train loss and validation loss/MAE per epoch -> PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    epochs = read_records(metrics_path, "epoch")
+    if not epochs:
+        return
+    x = [r["epoch"] + 1 for r in epochs]
+    fig, (ax_loss, ax_mae) = plt.subplots(1, 2, figsize=(10, 4))
+    ax_loss.plot(x, [r["train_loss"] for r in epochs], label="train loss")
+    ax_loss.plot(x, [r["val_loss"] for r in epochs], label="validation loss")
+    ax_loss.set_xlabel("epoch")
+    ax_loss.set_ylabel("standardised MSE")
+    ax_loss.set_yscale("log")
+    ax_loss.legend()
+    ax_mae.plot(x, [r["val_mae"] for r in epochs], color="C2")
+    ax_mae.set_xlabel("epoch")
+    ax_mae.set_ylabel(f"validation MAE ({unit})")
+    ax_mae.set_yscale("log")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def _plain(value: Any) -> Any:
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value

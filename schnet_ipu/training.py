@@ -1,0 +1,441 @@
+"""The training loop: data -> packed batches -> steps -> validation -> checkpoints -> test.
+
+    result = train(load_config("configs/qm9_quickstart.yaml"))
+
+With ``backend.replicas > 1`` the loop runs in R processes (or under torchrun); rank 0
+writes the logs and checkpoints. Re-running in the same run directory resumes from the
+last checkpoint and ends with the same weights as an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import csv
+import functools
+import logging
+import math
+import shutil
+import signal
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from schnet_ipu.backends import make_backend, select_device
+from schnet_ipu.backends.distributed import (
+    ReplicaInfo,
+    init_replica,
+    launch_replicas,
+    shutdown_replica,
+)
+from schnet_ipu.checkpoint import (
+    check_same_run,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from schnet_ipu.config import Config, ConfigError, config_from_dict
+from schnet_ipu.loader import PackedLoader
+from schnet_ipu.model import SchNet, masked_mse
+from schnet_ipu.pipeline import PreparedData, make_loader, prepare_data
+from schnet_ipu.runlog import RunLog, plot_learning_curve, read_records, truncate_after
+
+log = logging.getLogger("schnet_ipu")
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (a non-finite loss, say); the last good checkpoint is kept."""
+
+
+@dataclass
+class Metrics:
+    """Errors over the real molecules of one split, in the target's unit."""
+
+    mae: float
+    rmse: float
+    loss: float  # mean standardised squared error, comparable with the training loss
+    molecules: int
+
+
+def train(cfg: Config, fresh: bool = False) -> dict:
+    """Train as configured (spawning replicas when asked) and return the final record."""
+    run_dir = Path(cfg.logging.run_dir)
+    if fresh and run_dir.exists():
+        shutil.rmtree(run_dir)
+    launch_replicas(_run_replica, cfg.backend.replicas, cfg)
+    finals = read_records(run_dir / "metrics.jsonl", "final")
+    return finals[-1] if finals else {}
+
+
+def _run_replica(rank: int, cfg: Config) -> None:
+    run(cfg)
+
+
+def run(cfg: Config) -> None:
+    """One replica's whole run. Rank 0 logs; every rank steps."""
+    wall_start = time.perf_counter()
+    device = select_device(cfg.backend.device)
+    replica = init_replica(cfg.backend, device)
+    main = replica.is_main
+    run_dir = Path(cfg.logging.run_dir)
+    last_path, best_path = run_dir / "checkpoints/last.pt", run_dir / "checkpoints/best.pt"
+    resume = load_checkpoint(last_path) if last_path.exists() else None
+    if resume is not None:
+        check_same_run(resume["config"], cfg.to_dict(), run_dir)
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(cfg.to_yaml())
+
+    torch.manual_seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    data = prepare_data(cfg)
+    model = build_model(cfg, data)
+    optimizer = torch.optim.Adam(
+        model.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay
+    )
+    loss_fn = functools.partial(standardised_loss, scale=data.residual_std())
+    backend = make_backend(
+        cfg.backend, model, optimizer, loss_fn, cfg.optim.grad_clip, replica, device
+    )
+    pin = device.startswith("cuda")
+    train_loader = make_loader(cfg, data, "train", replica.rank, replica.world_size, pin)
+    val_loader = make_loader(cfg, data, "val", replica.rank, replica.world_size, pin)
+    steps_per_epoch = len(train_loader) * cfg.backend.device_iterations
+    scheduler = make_scheduler(cfg, optimizer, steps_per_epoch)
+
+    start_epoch, start_call, best_mae = 0, 0, math.inf
+    if resume is not None:
+        model.load_state_dict(resume["model"])
+        optimizer.load_state_dict(resume["optimizer"])
+        scheduler.load_state_dict(resume["scheduler"])
+        set_rng_state(resume["rng"])
+        start_epoch, start_call, best_mae = resume["epoch"], resume["call"], resume["best_mae"]
+        log.info("resuming %s at epoch %d, host call %d", run_dir, start_epoch, start_call)
+        if main:
+            truncate_after(run_dir / "metrics.jsonl", start_epoch, start_call)
+    runlog = RunLog(run_dir, cfg) if main else None
+    if runlog is not None and resume is None:
+        runlog.write("stage", **{f"{k}_seconds": v for k, v in data.timings.items()})
+
+    def checkpoint(path: Path, epoch: int, call: int) -> None:
+        if not main:
+            return
+        if not all(torch.isfinite(p).all() for p in model.parameters()):
+            raise TrainingError(f"non-finite weights at epoch {epoch}; {path} was not written")
+        state = {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "rng": rng_state(),
+            "epoch": epoch,
+            "call": call,
+            "best_mae": best_mae,
+            "config": cfg.to_dict(),
+        }
+        save_checkpoint(path, state)
+
+    stop = StopFlag()
+    for epoch in range(start_epoch, cfg.optim.epochs):
+        first_call = start_call if epoch == start_epoch else 0
+        train_stats = train_epoch(
+            cfg, backend, scheduler, train_loader, epoch, first_call, runlog, replica, stop
+        )
+        if stop.requested:
+            checkpoint(last_path, epoch, train_stats["calls"])
+            log.info("interrupted: saved %s at epoch %d; re-run to resume", last_path, epoch)
+            raise SystemExit(130)
+        val = evaluate(backend, val_loader, data, "val", replica)
+        if cfg.optim.schedule == "plateau":
+            scheduler.step(val.mae)
+        improved = val.mae < best_mae
+        best_mae = min(best_mae, val.mae)
+        checkpoint(last_path, epoch + 1, 0)
+        if improved:
+            checkpoint(best_path, epoch + 1, 0)
+        if runlog is not None:
+            runlog.write(
+                "epoch",
+                epoch=epoch,
+                train_loss=train_stats["loss"],
+                val_loss=val.loss,
+                val_mae=val.mae,
+                val_rmse=val.rmse,
+                lr=optimizer.param_groups[0]["lr"],
+                molecules_per_s=train_stats["molecules_per_s"],
+                data_seconds=train_stats["data_seconds"],
+                step_seconds=train_stats["step_seconds"],
+                epoch_seconds=train_stats["seconds"],
+                unit=data.unit,
+            )
+            log.info(
+                "epoch %d: train loss %.4f, val MAE %.4f %s, %.0f molecules/s",
+                epoch,
+                train_stats["loss"],
+                val.mae,
+                data.unit,
+                train_stats["molecules_per_s"],
+            )
+
+    if replica.world_size > 1:
+        dist.barrier()
+    model.load_state_dict(load_checkpoint(best_path)["model"])
+    test_loader = make_loader(cfg, data, "test", replica.rank, replica.world_size)
+    test = evaluate(backend, test_loader, data, "test", replica)
+    baseline_mae = float(np.abs(data.baseline_errors("test")).mean())
+    if runlog is not None:
+        runlog.write(
+            "final",
+            test_mae=test.mae,
+            test_rmse=test.rmse,
+            baseline_test_mae=baseline_mae,
+            best_val_mae=best_mae,
+            unit=data.unit,
+            test_molecules=test.molecules,
+            recompilations=backend.recompilations,
+            wall_seconds=time.perf_counter() - wall_start,
+        )
+        log.info(
+            "test MAE %.4f %s (RMSE %.4f); dressed-atom baseline MAE %.4f %s",
+            test.mae,
+            data.unit,
+            test.rmse,
+            baseline_mae,
+            data.unit,
+        )
+        if cfg.logging.plot:
+            plot_learning_curve(
+                run_dir / "metrics.jsonl", run_dir / "learning_curve.png", data.unit
+            )
+        runlog.close()
+    shutdown_replica()
+
+
+def train_epoch(
+    cfg: Config,
+    backend,
+    scheduler,
+    loader: PackedLoader,
+    epoch: int,
+    first_call: int,
+    runlog: RunLog | None,
+    replica: ReplicaInfo,
+    stop: StopFlag,
+) -> dict:
+    """One epoch of host calls; returns its mean loss, throughput and time split."""
+    steps_per_call = cfg.backend.device_iterations
+    losses, molecules = [], 0
+    data_seconds = step_seconds = 0.0
+    calls = first_call
+    bar = tqdm(
+        total=len(loader),
+        initial=first_call,
+        desc=f"epoch {epoch}",
+        disable=runlog is None or not cfg.logging.progress,
+        leave=False,
+    )
+    batches = iter(loader.epoch(epoch, first_call))
+    epoch_start = time.perf_counter()
+    with ctrl_c_requests_stop(stop):
+        while not stop.requested:
+            tick = time.perf_counter()
+            micro_batches = next(batches, None)
+            if micro_batches is None:
+                break
+            tock = time.perf_counter()
+            records = backend.train_call(micro_batches)
+            done = time.perf_counter()
+            data_seconds += tock - tick
+            step_seconds += done - tock
+            for i, record in enumerate(records):
+                step = (epoch * len(loader) + calls) * steps_per_call + i
+                if not math.isfinite(record["loss"]):
+                    raise TrainingError(
+                        f"non-finite loss ({record['loss']}) at epoch {epoch}, step {step}; "
+                        "the last checkpoint is kept. Lower optim.lr or set optim.grad_clip."
+                    )
+                if cfg.optim.schedule != "plateau":
+                    scheduler.step()
+                losses.append(record["loss"])
+                molecules += record["molecules"]
+            calls += 1
+            rate = molecules / max(time.perf_counter() - epoch_start, 1e-9)
+            bar.update(1)
+            bar.set_postfix(
+                loss=f"{records[-1]['loss']:.4f}", mol_s=f"{rate * replica.world_size:.0f}"
+            )
+            if runlog is not None and calls % cfg.logging.log_every == 0:
+                runlog.write(
+                    "step",
+                    epoch=epoch,
+                    call=calls,
+                    step=step + 1,
+                    loss=records[-1]["loss"],
+                    lr=scheduler.optimizer.param_groups[0]["lr"],
+                    molecules_per_s=rate * replica.world_size,
+                    data_seconds=data_seconds,
+                    step_seconds=step_seconds,
+                    replicas=replica.world_size,
+                    collectives_per_step=records[-1]["collectives"],
+                )
+    bar.close()
+    seconds = time.perf_counter() - epoch_start
+    return {
+        "loss": float(np.mean(losses)) if losses else math.nan,
+        "molecules_per_s": molecules * replica.world_size / max(seconds, 1e-9),
+        "data_seconds": data_seconds,
+        "step_seconds": step_seconds,
+        "seconds": seconds,
+        "calls": calls,
+    }
+
+
+def evaluate(
+    backend, loader: PackedLoader, data: PreparedData, split: str, replica: ReplicaInfo
+) -> Metrics:
+    """MAE/RMSE over the real molecules of a split (each replica its share, then summed)."""
+    sums = torch.zeros(4, dtype=torch.float64)  # |error|, error^2, standardised error^2, count
+    scale = data.residual_std()
+    for _, prediction, target in predictions(backend, loader):
+        error = prediction - target
+        sums += torch.tensor(
+            [np.abs(error).sum(), (error**2).sum(), ((error / scale) ** 2).sum(), len(error)]
+        )
+    if replica.world_size > 1:
+        dist.all_reduce(sums)
+    abs_sum, sq_sum, loss_sum, count = sums.tolist()
+    if count == 0:
+        raise ConfigError(f"the {split} split has no molecules to evaluate")
+    return Metrics(abs_sum / count, math.sqrt(sq_sum / count), loss_sum / count, int(count))
+
+
+def predictions(backend, loader: PackedLoader):
+    """Yields (store indices, predictions, targets) per batch, real molecules only, float64."""
+    for call in loader.epoch(0):
+        for batch in call:
+            mask = batch.graph_mask.numpy()
+            prediction = backend.predict(batch).double().numpy()
+            yield (
+                batch.molecule_index.numpy()[mask],
+                prediction[mask],
+                batch.y.double().numpy()[mask],
+            )
+
+
+def build_model(cfg: Config, data: PreparedData) -> SchNet:
+    """SchNet whose atom reference is the dressed-atom fit, scaled to the residual spread."""
+    atom_scale = data.residual_std() / math.sqrt(data.mean_atoms())
+    return SchNet.from_config(
+        cfg.model,
+        max_nodes_per_pack=data.train_plan.max_nodes,
+        mean=0.0,
+        std=atom_scale,
+        atomref=torch.tensor(data.dressed_atoms, dtype=torch.float32),
+    )
+
+
+def standardised_loss(model: torch.nn.Module, batch, scale: float) -> torch.Tensor:
+    """Mean over real molecules of ((prediction - target) / scale)^2."""
+    return masked_mse(model(batch), batch.y, batch.graph_mask, scale)
+
+
+def make_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, steps_per_epoch: int):
+    """plateau: decay on validation MAE per epoch; cosine: warmup then cosine per step."""
+    oc = cfg.optim
+    if oc.schedule == "plateau":
+        return torch.optim.lr_scheduler.ReduceLROnPlateau(
+            optimizer, factor=oc.plateau_factor, patience=oc.plateau_patience, min_lr=oc.min_lr
+        )
+    total = max(oc.epochs * steps_per_epoch, 1)
+    floor = min(oc.min_lr / oc.lr, 1.0)
+
+    def factor(step: int) -> float:
+        if oc.schedule == "constant":
+            return 1.0
+        if step < oc.warmup_steps:
+            return (step + 1) / oc.warmup_steps
+        progress = min((step - oc.warmup_steps) / max(total - oc.warmup_steps, 1), 1.0)
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+@dataclass
+class StopFlag:
+    requested: bool = False
+
+
+@contextmanager
+def ctrl_c_requests_stop(stop: StopFlag):
+    """Turn Ctrl-C into a request honoured between host calls, so the checkpoint is exact."""
+
+    def handle(signum, frame) -> None:
+        stop.requested = True
+
+    try:
+        previous = signal.signal(signal.SIGINT, handle)
+    except ValueError:  # not the main thread: leave Ctrl-C as it is
+        previous = None
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
+# --- evaluate and predict a finished run ----------------------------------------------------
+
+
+def load_run(run_dir: Path, checkpoint: str = "best") -> tuple[Config, PreparedData, object]:
+    """Config, data and a single-process backend holding a run's checkpoint."""
+    config_path = run_dir / "config.yaml"
+    ckpt_path = run_dir / f"checkpoints/{checkpoint}.pt"
+    if not ckpt_path.exists():
+        raise ConfigError(f"{run_dir} has no {checkpoint} checkpoint ({ckpt_path}); train first")
+    state = load_checkpoint(ckpt_path)
+    cfg = config_from_dict(state["config"])
+    if not config_path.exists():
+        log.warning("%s is missing; using the config stored in the checkpoint", config_path)
+    cfg.backend.replicas = 1
+    cfg.loader.workers = 0
+    data = prepare_data(cfg)
+    model = build_model(cfg, data)
+    model.load_state_dict(state["model"])
+    backend = make_backend(
+        cfg.backend, model, torch.optim.Adam(model.parameters()), None, 0.0, ReplicaInfo()
+    )
+    return cfg, data, backend
+
+
+def evaluate_run(run_dir: Path, split: str = "test") -> dict:
+    cfg, data, backend = load_run(run_dir)
+    metrics = evaluate(backend, make_loader(cfg, data, split), data, split, ReplicaInfo())
+    baseline = float(np.abs(data.baseline_errors(split)).mean())
+    return {
+        "split": split,
+        "mae": metrics.mae,
+        "rmse": metrics.rmse,
+        "molecules": metrics.molecules,
+        "baseline_mae": baseline,
+        "unit": data.unit,
+    }
+
+
+def predict_run(run_dir: Path, split: str, out: Path) -> int:
+    """Write index, target, prediction, error per molecule (the store's own target) to CSV."""
+    cfg, data, backend = load_run(run_dir)
+    raw = data.store.target(cfg.data.target)
+    rows = 0
+    with out.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["index", "target", "prediction", "error", "unit"])
+        for index, prediction, target in predictions(backend, make_loader(cfg, data, split)):
+            shift = raw[index] - target  # the atom references subtracted from the target
+            for i, p, t in zip(index, prediction + shift, target + shift, strict=True):
+                writer.writerow([int(i), f"{t:.6f}", f"{p:.6f}", f"{p - t:.6f}", data.unit])
+                rows += 1
+    return rows

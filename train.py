@@ -1,0 +1,72 @@
+"""schnet-ipu: train SchNet on packed fixed-shape batches.
+
+    python train.py --config configs/qm9_quickstart.yaml [section.key=value ...]
+    python train.py --config configs/qm9.yaml --print-config optim.lr=5e-4
+    python train.py evaluate --run runs/qm9_quickstart [--split test]
+    python train.py predict --run runs/qm9_quickstart [--split test] [--out predictions.csv]
+
+Re-running a training command in the same run directory resumes from its last checkpoint;
+--fresh discards that run instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from schnet_ipu.config import ConfigError, load_config
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    if argv and argv[0] in ("evaluate", "predict"):
+        return run_command(argv[0], argv[1:])
+    parser = argparse.ArgumentParser(description="Train SchNet on packed fixed-shape batches.")
+    parser.add_argument("--config", type=Path, help="YAML config (defaults apply without one)")
+    parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    parser.add_argument("--print-config", action="store_true", help="print the config, exit")
+    parser.add_argument("--fresh", action="store_true", help="discard an existing run directory")
+    parser.add_argument("--resume", action="store_true", help="resume (the default when possible)")
+    args = parser.parse_intermixed_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        if args.print_config:
+            print(cfg.to_yaml(), end="")
+            return 0
+        from schnet_ipu.training import train  # heavy imports only once the config is valid
+
+        final = train(cfg, fresh=args.fresh)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(final, indent=2))
+    return 0
+
+
+def run_command(command: str, argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog=f"train.py {command}")
+    parser.add_argument("--run", type=Path, required=True, help="run directory")
+    parser.add_argument("--split", default="test", choices=("train", "val", "test"))
+    if command == "predict":
+        parser.add_argument("--out", type=Path, help="CSV path (default RUN/predictions_SPLIT.csv)")
+    args = parser.parse_args(argv)
+    from schnet_ipu.training import evaluate_run, predict_run
+
+    try:
+        if command == "evaluate":
+            print(json.dumps(evaluate_run(args.run, args.split), indent=2))
+        else:
+            out = args.out or args.run / f"predictions_{args.split}.csv"
+            rows = predict_run(args.run, args.split, out)
+            print(f"wrote {rows} predictions to {out}")
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
