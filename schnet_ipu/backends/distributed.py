@@ -121,7 +121,8 @@ def launch_replicas(fn: Callable[..., Any], replicas: int, *args: Any) -> None:
     """Run ``fn(rank, *args)`` in each of ``replicas`` processes, or here if there is one.
 
     Under torchrun (or with one replica) this process is the replica and ``fn`` runs in it.
-    Otherwise R processes are spawned; ``fn`` and ``args`` must be picklable. If any child
+    Otherwise R processes are spawned, each with 1/R of the host's intra-op threads; ``fn``
+    and ``args`` must be picklable. If any child
     fails, the others are terminated and the child's error is raised here
     (``torch.multiprocessing.ProcessRaisedException``), so a crash never leaves the parent
     waiting on a collective.
@@ -146,6 +147,7 @@ def _replica_main(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
+    torch.set_num_threads(max(1, torch.get_num_threads() // replicas))  # share the host's cores
     fn(rank, *args)
 
 

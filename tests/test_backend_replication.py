@@ -1,0 +1,132 @@
+"""Replication over real gloo processes: R replicas == one process on the same R batches.
+
+Each replica trains on its own batches; gradients are averaged over replicas (merged into one
+flat all-reduce, or one all-reduce per parameter) and clipped after the reduction. The
+reference is a single process stepping on the mean loss of the same R x A batches, which for
+batches with equal molecule counts is the same reduction (mean over replicas of means over A).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from test_backend import TinyModel, make_batch
+from test_backend import masked_mse as tiny_loss
+from torch import Tensor, nn
+
+from schnet_ipu.backends import ReplicaInfo, TorchBackend, init_replica, launch_replicas
+from schnet_ipu.backends.distributed import shutdown_replica
+from schnet_ipu.batch import Batch
+from schnet_ipu.config import BackendConfig
+from schnet_ipu.model import SchNet, masked_mse
+
+CALLS, STEPS, ACCUM = 1, 2, 2  # train_calls, device iterations, gradient accumulation
+CLIP = 0.2  # small enough to be active, so clipping before the reduction would show
+SCENARIOS = {  # name -> (model, merge_allreduce, replica counts)
+    "tiny-merged": ("tiny", True, (2, 4)),
+    "tiny-per-parameter": ("tiny", False, (2, 4)),
+    "schnet-merged": ("schnet", True, (2,)),
+}
+
+
+def build_model(kind: str, seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    if kind == "tiny":
+        return TinyModel()
+    return SchNet(16, 16, 2, 8, cutoff=5.0, graph="knn", k=4, max_nodes_per_pack=10)
+
+
+def schnet_loss(model: nn.Module, batch: Batch) -> Tensor:
+    return masked_mse(model(batch), batch.y, batch.graph_mask, 1.0)
+
+
+def batches_for(call: int, rank: int) -> list[Batch]:
+    """The D x A micro-batches of one replica in one train_call."""
+    return [make_batch(1000 * call + 100 * rank + i) for i in range(STEPS * ACCUM)]
+
+
+def replica_worker(rank: int, world: int, out_dir: Path) -> None:
+    """Train every scenario on this replica's batches; save weights and step records."""
+    replica = init_replica(BackendConfig(device="cpu", replicas=world), "cpu")
+    assert replica == ReplicaInfo(rank, world, rank)
+    results = {}
+    for name, (kind, merge, worlds) in SCENARIOS.items():
+        if world not in worlds:
+            continue
+        model = build_model(kind, seed=rank)  # differs per rank until the broadcast
+        backend = TorchBackend(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+            tiny_loss if kind == "tiny" else schnet_loss,
+            device_iterations=STEPS,
+            gradient_accumulation=ACCUM,
+            merge_allreduce=merge,
+            grad_clip=CLIP,
+            replica=replica,
+        )
+        records = [r for call in range(CALLS) for r in backend.train_call(batches_for(call, rank))]
+        results[name] = {"state": model.state_dict(), "records": records}
+    torch.save(results, out_dir / f"rank{rank}.pt")
+    shutdown_replica()
+
+
+def reference(kind: str, world: int) -> nn.Module:
+    """One process: each step on the mean loss over all replicas' micro-batches of that step."""
+    model = build_model(kind, seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    loss_fn = tiny_loss if kind == "tiny" else schnet_loss
+    for call in range(CALLS):
+        per_rank = [batches_for(call, rank) for rank in range(world)]
+        for step in range(STEPS):
+            group = [b for batches in per_rank for b in batches[step * ACCUM : (step + 1) * ACCUM]]
+            opt.zero_grad()
+            torch.stack([loss_fn(model, b) for b in group]).mean().backward()
+            nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            opt.step()
+    return model
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_replicas_match_one_process(world: int, tmp_path: Path) -> None:
+    launch_replicas(replica_worker, world, world, tmp_path)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    for name, (kind, merge, worlds) in SCENARIOS.items():
+        if world not in worlds:
+            continue
+        want = reference(kind, world).state_dict()
+        for rank, results in enumerate(ranks):
+            for key, value in results[name]["state"].items():
+                torch.testing.assert_close(
+                    value, want[key], atol=2e-6, rtol=1e-5, msg=f"{name} rank {rank} {key}"
+                )
+        num_grads = sum(p.requires_grad for p in build_model(kind, 0).parameters())
+        expected = 1 if merge else num_grads
+        records = ranks[0][name]["records"]
+        assert len(records) == CALLS * STEPS
+        assert {r["collectives"] for r in records} == {expected}, name
+        assert all(r["molecules"] == ACCUM * 4 for r in records)
+
+
+def failing_worker(rank: int) -> None:
+    if rank == 1:
+        raise ValueError("replica 1 failed on purpose")
+    init_replica(BackendConfig(device="cpu", replicas=2), "cpu")  # waits for rank 1 forever
+
+
+def test_child_failure_raises_in_parent_without_hanging() -> None:
+    with pytest.raises(mp.ProcessRaisedException, match="replica 1 failed on purpose"):
+        launch_replicas(failing_worker, 2)
+
+
+def test_one_replica_runs_in_process() -> None:
+    seen: list[int] = []
+    launch_replicas(seen.append, 1)
+    assert seen == [0]
+
+
+def test_alone_with_replicas_configured_is_an_error() -> None:
+    with pytest.raises(RuntimeError, match="launch_replicas"):
+        init_replica(BackendConfig(replicas=2), "cpu")
