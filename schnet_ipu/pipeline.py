@@ -71,9 +71,12 @@ def prepare_data(cfg: Config) -> PreparedData:
         store = MoleculeStore(ensure_store(cfg.data), cache=cfg.loader.cache)
         log.info("store %s: %d molecules, %s", store.path, len(store), store.attrs.get("source"))
     with stage("split", timings):
-        split = load_or_make_split(
-            store.path, len(store), cfg.data.val, cfg.data.test, cfg.seed, cfg.data.subset
-        )
+        try:
+            split = load_or_make_split(
+                store.path, len(store), cfg.data.val, cfg.data.test, cfg.seed, cfg.data.subset
+            )
+        except ValueError as err:
+            raise ConfigError(f"{err}; change data.subset, data.val or data.test") from err
         for name in SPLITS:
             if len(split[name]) == 0:
                 raise ConfigError(f"the {name} split is empty; change data.val/data.test/subset")

@@ -1,0 +1,158 @@
+"""The training application end to end on a small real QM9 slice and a tiny SchNet."""
+
+from __future__ import annotations
+
+import csv
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from schnet_ipu.config import ConfigError, load_config
+from schnet_ipu.data import import_qm9
+from schnet_ipu.runlog import read_records
+from schnet_ipu.training import TrainingError, evaluate_run, predict_run, train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("qm9") / "qm9_400.h5"
+    import_qm9(path, limit=400)
+    return path
+
+
+def tiny(store: Path, run_dir: Path, *extra: str) -> list[str]:
+    return [
+        f"data.path={store}",
+        "data.subset=0",
+        "data.val=60",
+        "data.test=60",
+        "model.hidden_channels=16",
+        "model.num_filters=16",
+        "model.num_interactions=1",
+        "model.num_gaussians=8",
+        "model.k=8",
+        "packing.packs_per_batch=4",
+        "optim.epochs=2",
+        "optim.schedule=constant",
+        "loader.workers=0",
+        "logging.progress=false",
+        "logging.log_every=1",
+        f"logging.run_dir={run_dir}",
+        *extra,
+    ]
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / "checkpoints/last.pt", weights_only=False)["model"]
+
+
+def test_run_directory_contract(store, tmp_path):
+    run_dir = tmp_path / "run"
+    final = train(load_config(ROOT / "configs/qm9_quickstart.yaml", tiny(store, run_dir)))
+    records = read_records(run_dir / "metrics.jsonl")
+    kinds = [r["kind"] for r in records]
+    assert kinds.count("epoch") == 2 and kinds.count("final") == 1 and "step" in kinds
+    for r in read_records(run_dir / "metrics.jsonl", "epoch"):
+        assert {"epoch", "train_loss", "val_mae", "molecules_per_s"} <= set(r)
+        assert r["molecules_per_s"] > 0 and r["val_mae"] > 0
+    step = read_records(run_dir / "metrics.jsonl", "step")[0]
+    assert step["replicas"] == 1 and step["collectives_per_step"] == 0
+    assert final["unit"] == "eV" and final["test_molecules"] == 60
+    for key in ("test_mae", "test_rmse", "baseline_test_mae", "wall_seconds"):
+        assert final[key] > 0
+    assert final["test_rmse"] >= final["test_mae"]
+    assert (run_dir / "config.yaml").exists() and (run_dir / "learning_curve.png").exists()
+    assert (run_dir / "checkpoints/best.pt").exists()
+
+    evaluated = evaluate_run(run_dir, "test")
+    assert evaluated["mae"] == pytest.approx(final["test_mae"], rel=1e-5)
+    out = tmp_path / "pred.csv"
+    assert predict_run(run_dir, "test", out) == 60
+    rows = list(csv.DictReader(out.open()))
+    errors = [float(r["prediction"]) - float(r["target"]) for r in rows]
+    assert [float(r["error"]) for r in rows] == pytest.approx(errors, abs=2e-6)
+    mae = sum(abs(e) for e in errors) / len(errors)
+    assert mae == pytest.approx(final["test_mae"], rel=1e-3)
+    # the CSV holds the store's own target (U0, about -400 eV), not the shifted one
+    assert all(float(r["target"]) < -40 for r in rows)
+
+
+def test_ctrl_c_checkpoints_and_resume_matches_an_uninterrupted_run(store, tmp_path):
+    overrides = tiny(store, tmp_path / "whole", "optim.epochs=3")
+    train(load_config(None, overrides))
+    reference = weights(tmp_path / "whole")
+
+    interrupted = tmp_path / "interrupted"
+    command = [sys.executable, str(ROOT / "train.py"), *tiny(store, interrupted, "optim.epochs=3")]
+    process = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    metrics = interrupted / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not read_records(metrics, "step") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130, stderr
+    saved = torch.load(interrupted / "checkpoints/last.pt", weights_only=False)
+    assert (saved["epoch"], saved["call"]) < (3, 0)
+
+    train(load_config(None, tiny(store, interrupted, "optim.epochs=3")))  # resumes
+    resumed = weights(interrupted)
+    for name, value in reference.items():
+        assert torch.allclose(resumed[name], value, rtol=0, atol=1e-6), name
+    epochs = [r["epoch"] for r in read_records(metrics, "epoch")]
+    assert epochs == [0, 1, 2]
+
+
+def test_another_configs_run_directory_is_refused(store, tmp_path):
+    run_dir = tmp_path / "run"
+    train(load_config(None, tiny(store, run_dir, "optim.epochs=1")))
+    with pytest.raises(ConfigError, match=r"another config \(model\.hidden_channels: 16"):
+        train(load_config(None, tiny(store, run_dir, "model.hidden_channels=32")))
+    # --fresh discards it
+    train(
+        load_config(None, tiny(store, run_dir, "model.hidden_channels=32", "optim.epochs=1")),
+        fresh=True,
+    )
+
+
+def test_non_finite_loss_stops_and_names_the_step(store, tmp_path):
+    run_dir = tmp_path / "run"
+    cfg = load_config(None, tiny(store, run_dir, "optim.lr=1e12", "optim.grad_clip=0"))
+    with pytest.raises(TrainingError, match=r"non-finite loss .* at epoch 0, step \d+"):
+        train(cfg)
+    assert not (run_dir / "checkpoints/last.pt").exists()
+
+
+def test_data_aware_config_errors(store, tmp_path):
+    with pytest.raises(ConfigError, match=r"max_nodes"):
+        train(load_config(None, tiny(store, tmp_path / "a", "packing.max_nodes=10", "model.k=4")))
+    with pytest.raises(ConfigError, match=r"lower backend\.replicas"):
+        train(load_config(None, tiny(store, tmp_path / "b", "backend.gradient_accumulation=500")))
+
+
+def test_two_replicas_train_with_one_merged_allreduce(store, tmp_path):
+    run_dir = tmp_path / "run"
+    final = train(load_config(None, tiny(store, run_dir, "optim.epochs=1", "backend.replicas=2")))
+    step = read_records(run_dir / "metrics.jsonl", "step")[0]
+    assert step["replicas"] == 2 and step["collectives_per_step"] == 1
+    assert final["test_molecules"] == 60  # both replicas' shares, each molecule once
+
+
+def test_cli_prints_config_and_rejects_unknown_keys():
+    run = [sys.executable, str(ROOT / "train.py"), "--config", "configs/qm9.yaml"]
+    shown = subprocess.run(
+        [*run, "--print-config", "optim.lr=5e-4"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert shown.returncode == 0 and "lr: 0.0005" in shown.stdout
+    bad = subprocess.run(
+        [*run, "optim.lrr=1"], cwd=ROOT, capture_output=True, text=True, env={**os.environ}
+    )
+    assert bad.returncode == 2 and "did you mean optim.lr" in bad.stderr
