@@ -290,9 +290,9 @@ class MoleculeStore:
         if not 0 <= i < len(self):
             raise IndexError(f"{self.path}: molecule {i} out of range [0, {len(self)})")
         self.cache_misses += 1
-        f = self._file()
+        self._file()
         start, stop = self.offsets[i], self.offsets[i + 1]
-        out = (f["z"][start:stop], f["pos"][start:stop])
+        out = (self._z[start:stop], self._pos[start:stop])
         if self.cache_enabled:
             self._cache[i] = out
         return out
@@ -311,6 +311,7 @@ class MoleculeStore:
     def _file(self) -> h5py.File:
         if self._handle is None or self._pid != os.getpid():
             self._handle = h5py.File(self.path, "r")
+            self._z, self._pos = self._handle["z"], self._handle["pos"]
             self._pid = os.getpid()
         return self._handle
 
@@ -322,6 +323,8 @@ class MoleculeStore:
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state.update(_handle=None, _pid=None, _cache={}, cache_hits=0, cache_misses=0)
+        state.pop("_z", None)
+        state.pop("_pos", None)
         return state
 
 
