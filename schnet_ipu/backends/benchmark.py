@@ -1,0 +1,177 @@
+"""Step time and collectives per step of replicated training: merged vs per-parameter all-reduce.
+
+    python -m schnet_ipu.backends.benchmark [--replicas 1 2 4] [--steps 10] [--packs 8]
+
+Each replica trains the paper-size SchNet (100 features, 100 filters, 4 interactions,
+25 Gaussians, knn k=24) on its own fixed-shape batch of ``packs`` packs of ``max_nodes`` atoms
+filled with synthetic QM9-like molecules (9-29 atoms of H, C, N, O, F). This is weak scaling:
+every replica does the same work, so the ideal step time is flat in R. On one host the
+replicas share the CPU cores (``launch_replicas`` gives each 1/R of the threads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from schnet_ipu.backends.distributed import (
+    init_replica,
+    launch_replicas,
+    merged_allreduce,
+    per_parameter_allreduce,
+    shutdown_replica,
+    trainable_grads,
+)
+from schnet_ipu.backends.torch_backend import TorchBackend
+from schnet_ipu.batch import Batch
+from schnet_ipu.config import BackendConfig
+from schnet_ipu.model import SchNet, masked_mse
+from schnet_ipu.model.benchmark import greedy_packs, molecules_to_batch
+
+ELEMENTS = np.array([1, 6, 7, 8, 9])
+
+
+def synthetic_batch(seed: int, packs: int, max_nodes: int, max_graphs: int) -> Batch:
+    """``packs`` packs of random QM9-sized molecules (atoms ~1.5 Angstrom apart)."""
+    rng = np.random.default_rng(seed)
+    molecules = []
+    while True:
+        size = int(rng.integers(9, 30))
+        z = rng.choice(ELEMENTS, size=size, p=[0.5, 0.35, 0.06, 0.08, 0.01])
+        pos = np.cumsum(rng.normal(scale=0.9, size=(size, 3)), axis=0)
+        molecules.append((z, pos))
+        assignment = greedy_packs([len(m[0]) for m in molecules], max_nodes, max_graphs)
+        if len(assignment) > packs:
+            assignment = assignment[:packs]
+            break
+    targets = rng.normal(size=len(molecules))
+    return molecules_to_batch(molecules, assignment, max_nodes, max_graphs, targets=targets)
+
+
+def schnet_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    return masked_mse(model(batch), batch.y, batch.graph_mask, 1.0)
+
+
+def _worker(rank: int, world: int, settings: dict, out: Path) -> None:
+    replica = init_replica(BackendConfig(device="cpu", replicas=world), "cpu")
+    batch = synthetic_batch(rank, settings["packs"], settings["max_nodes"], settings["max_graphs"])
+    rows = []
+    for merge in settings["merge"]:
+        torch.manual_seed(0)
+        model = SchNet(100, 100, 4, 25, cutoff=6.0, k=24, max_nodes_per_pack=settings["max_nodes"])
+        backend = TorchBackend(
+            model,
+            torch.optim.Adam(model.parameters(), lr=1e-3),
+            schnet_loss,
+            merge_allreduce=merge,
+            grad_clip=10.0,
+            replica=replica,
+        )
+        times = []
+        for _ in range(settings["warmup"] + settings["steps"]):
+            start = time.perf_counter()
+            backend.train_call([batch])
+            times.append(time.perf_counter() - start)
+        times = torch.tensor(times[settings["warmup"] :], dtype=torch.float64)
+        reduce_ms = float("nan")
+        if world > 1:  # a step is as slow as its slowest replica
+            dist.all_reduce(times, op=dist.ReduceOp.MAX)
+            reduce_ms = _time_reduction(model, world, merge, settings["steps"])
+        rows.append(
+            {
+                "replicas": world,
+                "merge_allreduce": merge,
+                "collectives_per_step": backend.collectives_per_step,
+                "step_ms_median": 1e3 * statistics.median(times.tolist()),
+                "step_ms_min": 1e3 * min(times.tolist()),
+                "allreduce_ms": reduce_ms,
+                "molecules_per_s": world * batch.num_molecules / statistics.median(times.tolist()),
+                "grad_values": sum(p.numel() for p in model.parameters()),
+                "threads": torch.get_num_threads(),
+            }
+        )
+    if rank == 0:
+        torch.save(rows, out)
+    shutdown_replica()
+
+
+def _time_reduction(model: torch.nn.Module, world: int, merge: bool, repeats: int) -> float:
+    """Median ms of the gradient reduction alone (after a barrier), slowest replica."""
+    grads = trainable_grads(model)
+    reduce = merged_allreduce if merge else per_parameter_allreduce
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        reduce(grads, world)
+        times.append(time.perf_counter() - start)
+    median = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    dist.all_reduce(median, op=dist.ReduceOp.MAX)
+    return 1e3 * float(median)
+
+
+def measure_replication(
+    replicas: tuple[int, ...] = (1, 2, 4),
+    merge: tuple[bool, ...] = (True, False),
+    steps: int = 10,
+    warmup: int = 3,
+    packs: int = 8,
+    max_nodes: int = 36,
+    max_graphs: int = 3,
+) -> list[dict]:
+    """One row per (replicas, merge_allreduce): median step time (max over replicas, ms),
+    collectives per step, the gradient all-reduce alone (ms), molecules per second over all
+    replicas."""
+    settings = dict(
+        merge=merge, steps=steps, warmup=warmup, packs=packs, max_nodes=max_nodes,
+        max_graphs=max_graphs,
+    )  # fmt: skip
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for world in replicas:
+            out = Path(tmp) / f"r{world}.pt"
+            launch_replicas(_worker, world, world, settings, out)
+            rows += torch.load(out)
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    header = (
+        "replicas  merged  collectives/step  step ms (median)  step ms (min)  all-reduce ms"
+        "  molecules/s"
+    )
+    lines = [header]
+    for r in rows:
+        lines.append(
+            f"{r['replicas']:>8}  {r['merge_allreduce']!s:>6}  {r['collectives_per_step']:>16}"
+            f"  {r['step_ms_median']:>16.1f}  {r['step_ms_min']:>13.1f}  {r['allreduce_ms']:>13.2f}"
+            f"  {r['molecules_per_s']:>11.0f}"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--packs", type=int, default=8)
+    parser.add_argument("--max-nodes", type=int, default=36)
+    parser.add_argument("--max-graphs", type=int, default=3)
+    args = parser.parse_args()
+    rows = measure_replication(
+        tuple(args.replicas), (True, False), args.steps, args.warmup, args.packs,
+        args.max_nodes, args.max_graphs,
+    )  # fmt: skip
+    print(format_table(rows))
+
+
+if __name__ == "__main__":
+    main()
