@@ -264,15 +264,16 @@ def test_pair_symmetric_filter_equals_per_edge_filter():
     batch = tight_batch(radius=True)
     edge_index, dist, edge_mask = model.interaction_graph(batch)
     half = edge_index.shape[1] // 2
-    full = model.filters(dist, edge_mask)
-    shared = model.filters(dist[:half], edge_mask[:half])
-    torch.testing.assert_close(full[:, :half], shared)
-    torch.testing.assert_close(full[:, half:], shared)
-    # and each block's filter is that block's own network times the masked cosine cutoff
-    cut = 0.5 * (torch.cos(dist * math.pi / CUTOFF) + 1) * edge_mask
-    for i, block in enumerate(model.interactions):
-        direct = block.mlp(model.distance_expansion(dist)) * cut.unsqueeze(1)
-        torch.testing.assert_close(full[i], direct)
+    rbf, cut = model.edge_features(dist, edge_mask)
+    shared_rbf, shared_cut = model.edge_features(dist[:half], edge_mask[:half])
+    for block in model.interactions:
+        full = block.conv.filter(rbf, cut)
+        shared = block.conv.filter(shared_rbf, shared_cut)
+        torch.testing.assert_close(full[:half], shared)
+        torch.testing.assert_close(full[half:], shared)
+    # the cutoff is the masked cosine cutoff
+    expected_cut = 0.5 * (torch.cos(dist * math.pi / CUTOFF) + 1) * edge_mask
+    torch.testing.assert_close(cut, expected_cut)
     # the whole model, outputs and gradients
     results = []
     for flag in (True, False):

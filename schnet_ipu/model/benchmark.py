@@ -94,13 +94,18 @@ def molecules_to_batch(
 
 
 def greedy_packs(sizes: Sequence[int], max_nodes: int, max_graphs: int) -> list[list[int]]:
-    """Molecules in order, a new pack whenever the next one does not fit (no optimisation)."""
-    packs: list[list[int]] = [[]]
-    used = 0
+    """First fit: each molecule, in order, joins the first pack with room (no optimisation)."""
+    packs: list[list[int]] = []
+    used: list[int] = []
     for i, size in enumerate(sizes):
-        if used + size > max_nodes or len(packs[-1]) == max_graphs:
-            packs.append([])
-            used = 0
-        packs[-1].append(i)
-        used += size
+        if size > max_nodes:
+            raise ValueError(f"molecule {i} has {size} atoms > max_nodes={max_nodes}")
+        for p, members in enumerate(packs):
+            if used[p] + size <= max_nodes and len(members) < max_graphs:
+                members.append(i)
+                used[p] += size
+                break
+        else:
+            packs.append([i])
+            used.append(size)
     return packs

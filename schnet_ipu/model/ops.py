@@ -15,24 +15,22 @@ LOG2 = math.log(2.0)
 
 
 class _ShiftedSoftplus(torch.autograd.Function):
-    """``log1p(exp(-|x|)) + max(x, 0) - log 2`` with an explicit derivative ``sigmoid(x)``.
+    """``log1p(exp(-|x|)) + max(x, 0) - log 2`` with the derivative ``sigmoid(x)``.
 
-    The forward pass runs in place on two temporaries and only ``x`` is kept for the backward
-    pass, instead of the half dozen intermediates plain autograd would save.
+    ``torch.logaddexp(x, 0)`` evaluates exactly ``max(x, 0) + log1p(exp(-|x - 0|))`` in one
+    fused kernel, so the forward pass is two passes over ``x`` (instead of seven for the
+    composed formula) and only ``x`` is kept for the backward pass.
     """
 
     @staticmethod
     def forward(ctx, x: Tensor) -> Tensor:
         ctx.save_for_backward(x)
-        magnitude = x.abs()
-        out = torch.neg(magnitude).exp_().log1p_()
-        # max(x, 0) == (x + |x|) / 2, so no branch and no extra temporary
-        return out.add_(magnitude.add_(x), alpha=0.5).sub_(LOG2)
+        return torch.logaddexp(x, x.new_zeros(())).sub_(LOG2)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> Tensor:
         (x,) = ctx.saved_tensors
-        return grad * torch.sigmoid(x)
+        return torch.sigmoid(x).mul_(grad)
 
 
 def shifted_softplus(x: Tensor) -> Tensor:

@@ -5,11 +5,11 @@ Modeling Quantum Interactions" <https://arxiv.org/abs/1706.08566>`_ exactly as P
 Geometric's ``torch_geometric.nn.models.SchNet`` does, with the same parameter names, so a PyG
 state dict loads unchanged. What differs is how the work is laid out:
 
-* the filters of all interaction blocks come from one batched filter network per forward
-  pass (one GEMM for every block's first layer, one batched GEMM for the second);
+* the Gaussian expansion and cosine cutoff are computed once and shared by every block;
 * on radius graphs with ``pair_symmetric=True`` the filter is computed once per unordered
   pair and shared by both directions (the batch stores the reversed pairs in the same order);
-* messages are gathered with ``index_select`` and summed with a 1-D ``index_add_``;
+* messages are gathered with ``index_select`` and summed with a 1-D ``index_add_`` (radius)
+  or, on knn graphs whose receivers are sorted with k edges each, by a reshape and a sum;
 * k-nearest-neighbour graphs are searched on the device inside each pack;
 * padding atoms, edges and molecule slots are inert: they never reach a real molecule's
   prediction or its gradient.
@@ -62,11 +62,8 @@ class GaussianSmearing(nn.Module):
 
 
 class CFConv(nn.Module):
-    """Continuous-filter convolution: ``lin2(sum_j lin1(x)_j * W_ji)``.
-
-    The filter ``W`` comes from outside (see :meth:`SchNet.filters`); ``nn`` is the filter
-    network of the owning block, kept here only so the parameter names match PyG's.
-    """
+    """Continuous-filter convolution: ``lin2(sum_j lin1(x)_j * W(d_ji))``, with the filter
+    ``W = nn(rbf) * cut`` from the block's filter network ``nn`` (PyG's names and layout)."""
 
     def __init__(self, in_channels: int, out_channels: int, num_filters: int, mlp: Sequential):
         super().__init__()
@@ -80,16 +77,33 @@ class CFConv(nn.Module):
         nn.init.xavier_uniform_(self.lin2.weight)
         self.lin2.bias.data.fill_(0)
 
-    def forward(self, x: Tensor, edge_index: Tensor, filt: Tensor) -> Tensor:
-        """x [N, C_in], edge_index [2, E] (row 0 source j, row 1 receiver i), filt [E, F] or,
-        for pair-symmetric radius graphs, [E/2, F] shared by both halves -> [N, C_out]."""
+    def filter(self, rbf: Tensor, cut: Tensor) -> Tensor:
+        """rbf [E, G], cut [E] (cosine cutoff, 0 on masked edges) -> filter [E, F]."""
+        return self.nn(rbf) * cut.unsqueeze(1)
+
+    def forward(
+        self, x: Tensor, edge_index: Tensor, rbf: Tensor, cut: Tensor, knn: int | None
+    ) -> Tensor:
+        """Convolve x [N, C_in] over edge_index [2, E] (row 0 source j, row 1 receiver i).
+
+        rbf [E', G] and cut [E'] describe E' = E edges, or E' = E / 2 unordered pairs when the
+        graph is stored as forward pairs then the same pairs reversed (pair-symmetric filter).
+        ``knn=k``: the receivers are sorted with exactly k edges each (the layout of
+        :func:`~schnet_ipu.model.ops.knn_graph_packed`), so the sum is a reshape and a
+        reduction; otherwise a 1-D ``index_add_`` that assumes no ordering. -> [N, C_out]
+        """
+        filt = self.filter(rbf, cut)  # [E', F]
         x = self.lin1(x)
         msg = gather(x, edge_index[0])  # [E, F]
         if filt.shape[0] == msg.shape[0]:
             msg = msg * filt
-        else:  # first half: forward pairs, second half: the same pairs reversed
+        else:  # both directions of a pair share its filter
             msg = (msg.view(2, filt.shape[0], -1) * filt).view(msg.shape)
-        return self.lin2(scatter_sum(msg, edge_index[1], x.shape[0]))
+        if knn is None:
+            agg = scatter_sum(msg, edge_index[1], x.shape[0])
+        else:
+            agg = msg.view(x.shape[0], knn, -1).sum(1)
+        return self.lin2(agg)
 
 
 class InteractionBlock(nn.Module):
@@ -118,9 +132,11 @@ class InteractionBlock(nn.Module):
         nn.init.xavier_uniform_(self.lin.weight)
         self.lin.bias.data.fill_(0)
 
-    def forward(self, h: Tensor, edge_index: Tensor, filt: Tensor) -> Tensor:
-        """h [N, H], edge_index [2, E], filt [E or E/2, F] -> update [N, H]."""
-        return self.lin(self.act(self.conv(h, edge_index, filt)))
+    def forward(
+        self, h: Tensor, edge_index: Tensor, rbf: Tensor, cut: Tensor, knn: int | None
+    ) -> Tensor:
+        """h [N, H] -> update [N, H]; the other arguments as for :meth:`CFConv.forward`."""
+        return self.lin(self.act(self.conv(h, edge_index, rbf, cut, knn)))
 
 
 class SchNet(nn.Module):
@@ -265,25 +281,11 @@ class SchNet(nn.Module):
             batch.edge_mask,
         )
 
-    def filters(self, dist: Tensor, edge_mask: Tensor) -> Tensor:
-        """Filters of every interaction block for edges of length ``dist`` [E] -> [I, E, F].
-
-        Equal to ``block.mlp(expansion(dist)) * cosine_cutoff(dist)`` for each block, with
-        masked edges zeroed, but computed as one GEMM for all first layers (the Gaussian
-        expansion is shared), one shifted softplus and one batched GEMM for the second layers.
-        """
-        blocks = self.interactions
-        num_edges = dist.shape[0]
-        rbf = self.distance_expansion(dist)  # [E, G]
-        w1 = torch.cat([b.mlp[0].weight for b in blocks])  # [I * F, G]
-        b1 = torch.cat([b.mlp[0].bias for b in blocks])  # [I * F]
-        hidden = blocks[0].mlp[1](torch.addmm(b1, rbf, w1.t()))  # [E, I * F]
-        hidden = hidden.view(num_edges, len(blocks), -1).transpose(0, 1)  # [I, E, F]
-        w2 = torch.stack([b.mlp[2].weight.t() for b in blocks])  # [I, F, F]
-        b2 = torch.stack([b.mlp[2].bias for b in blocks]).unsqueeze(1)  # [I, 1, F]
+    def edge_features(self, dist: Tensor, edge_mask: Tensor) -> tuple[Tensor, Tensor]:
+        """Gaussian expansion [E, G] and cosine cutoff [E] (zero on masked edges) of ``dist``
+        [E], shared by every interaction block."""
         cut = 0.5 * (torch.cos(dist * (math.pi / self.cutoff)) + 1.0)
-        cut = torch.where(edge_mask, cut, 0.0)  # [E]
-        return torch.baddbmm(b2, hidden, w2) * cut.view(1, -1, 1)
+        return self.distance_expansion(dist), torch.where(edge_mask, cut, 0.0)
 
     def forward(self, batch: Batch) -> Tensor:
         """Predictions [G] in target units for the G molecule slots of ``batch``."""
@@ -292,11 +294,12 @@ class SchNet(nn.Module):
         if self.graph == "radius" and self.pair_symmetric:
             half = edge_index.shape[1] // 2
             dist, edge_mask = dist[:half], edge_mask[:half]
-        filters = self.filters(dist, edge_mask)  # [I, E or E/2, F]
+        rbf, cut = self.edge_features(dist, edge_mask)
+        knn = self.k if self.graph == "knn" else None
 
         h = self.embedding(batch.z)  # [N, H]
-        for interaction, filt in zip(self.interactions, filters, strict=True):
-            h = h + interaction(h, edge_index, filt)
+        for interaction in self.interactions:
+            h = h + interaction(h, edge_index, rbf, cut, knn)
 
         out = self.lin2(self.act(self.lin1(h))).view(num_nodes)  # [N]
         out = out * self.std + self.mean
