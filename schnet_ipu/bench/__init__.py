@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m schnet_ipu.bench SUITE [--quick] [--json PATH] [--out-dir DIR]``."""
