@@ -1,0 +1,49 @@
+"""Each benchmark suite runs on a tiny configuration and writes a well-formed report.
+
+Speed is never asserted: these only check that the suites run and report.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from schnet_ipu.bench.common import ModelSize, Timing, write_report
+from schnet_ipu.data import import_qm9
+
+TINY = ModelSize(hidden_channels=8, num_filters=8, num_interactions=1, num_gaussians=6, k=4)
+ONE_STEP = Timing(warmup=1, steps=1, repeats=1)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> Path:
+    return import_qm9(tmp_path_factory.mktemp("qm9") / "qm9.h5", limit=300, progress=False)
+
+
+def check_report(report: dict, suite: str, out_dir: Path, module) -> dict:
+    """Write the report as the CLI does and check the files and the JSON keys."""
+    json_path = out_dir / "report.json"
+    write_report(report, module.COLUMNS, module.PLOT, out_dir, json_path)
+    loaded = json.loads(json_path.read_text())
+    assert set(loaded) >= {"suite", "machine", "commit", "results", "ratios"}
+    assert loaded["suite"] == suite
+    assert {"cpu", "cores", "torch", "gpu", "python"} <= set(loaded["machine"])
+    assert loaded["results"]
+    for ext in ("json", "md", "png"):
+        assert (out_dir / f"{suite}.{ext}").stat().st_size > 0
+    return loaded
+
+
+def test_throughput(store: Path, tmp_path: Path) -> None:
+    from schnet_ipu.bench import throughput
+
+    report = throughput.run_throughput(
+        store, sample=200, size=TINY, timing=ONE_STEP, workers=0, batch_molecules=8
+    )
+    loaded = check_report(report, "throughput", tmp_path, throughput)
+    names = {r["name"] for r in loaded["results"]}
+    assert {"packed radius+tuple", "packed knn+lpfhp", "stock PyG SchNet"} <= names
+    for key in ("packed_vs_pyg", "packed_vs_padded"):
+        assert loaded["ratios"][key] > 0
