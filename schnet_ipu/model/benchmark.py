@@ -11,6 +11,9 @@ search runs inside the timed forward pass, so the comparison favours PyG.
 
 from __future__ import annotations
 
+import argparse
+import math
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -18,6 +21,7 @@ import torch
 from torch import Tensor
 
 from schnet_ipu.batch import Batch
+from schnet_ipu.model.schnet import SchNet
 
 Molecule = tuple[np.ndarray, np.ndarray]  # z [n] (int), pos [n, 3] (Angstrom)
 
@@ -93,19 +97,199 @@ def molecules_to_batch(
     return Batch(z, pos, graph, node_mask, y, graph_mask, molecule_index, edge_index, edge_mask)
 
 
-def greedy_packs(sizes: Sequence[int], max_nodes: int, max_graphs: int) -> list[list[int]]:
-    """First fit: each molecule, in order, joins the first pack with room (no optimisation)."""
+def greedy_packs(
+    sizes: Sequence[int],
+    max_nodes: int,
+    max_graphs: int,
+    pairs: Sequence[int] | None = None,
+    max_edges: int | None = None,
+) -> list[list[int]]:
+    """First fit: each molecule, in order, joins the first pack with room for its atoms (and
+    its ``2 * pairs`` directed edges when ``max_edges`` is given). No optimisation."""
     packs: list[list[int]] = []
-    used: list[int] = []
+    used: list[tuple[int, int]] = []
     for i, size in enumerate(sizes):
-        if size > max_nodes:
-            raise ValueError(f"molecule {i} has {size} atoms > max_nodes={max_nodes}")
+        edges = 0 if max_edges is None else 2 * pairs[i]
+        if size > max_nodes or (max_edges is not None and edges > max_edges):
+            raise ValueError(f"molecule {i} does not fit in one pack")
         for p, members in enumerate(packs):
-            if used[p] + size <= max_nodes and len(members) < max_graphs:
+            nodes, taken = used[p]
+            fits = nodes + size <= max_nodes and len(members) < max_graphs
+            if fits and (max_edges is None or taken + edges <= max_edges):
                 members.append(i)
-                used[p] += size
+                used[p] = (nodes + size, taken + edges)
                 break
         else:
             packs.append([i])
-            used.append(size)
+            used.append((size, edges))
     return packs
+
+
+def load_molecules(store: str, count: int, seed: int) -> list[Molecule]:
+    """``count`` distinct molecules drawn at random (``seed``) from a MoleculeStore."""
+    from schnet_ipu.data import MoleculeStore
+
+    molecules = MoleculeStore(store)
+    chosen = np.random.default_rng(seed).choice(len(molecules), count, replace=False)
+    return [molecules.molecule(int(i)) for i in np.sort(chosen)]
+
+
+def _time_step(model: torch.nn.Module, args: tuple) -> float:
+    """Seconds for one forward + backward pass (loss = sum of the predictions)."""
+    model.zero_grad(set_to_none=True)
+    start = time.perf_counter()
+    model(*args).sum().backward()
+    return time.perf_counter() - start
+
+
+def run_benchmark(
+    molecules: int = 512,
+    repeats: int = 5,
+    store: str = "data/qm9.h5",
+    max_nodes: int = 64,
+    max_graphs: int = 16,
+    seed: int = 0,
+) -> dict:
+    """Time forward+backward of our SchNet and PyG's on the same molecules, same weights and
+    the same interaction graphs; the variants run interleaved, ``repeats`` rounds after one
+    warm-up round, and the median is reported. Returns the numbers as a dict."""
+    from torch_geometric.nn.models import SchNet as PygSchNet
+
+    hyper = dict(hidden_channels=100, num_filters=100, num_interactions=4, num_gaussians=25)
+    cutoff, k = 6.0, 24
+    mols = load_molecules(store, molecules, seed)
+    sizes = [len(z) for z, _ in mols]
+    pairs = [radius_pairs(np.asarray(pos), cutoff).shape[1] for _, pos in mols]
+    # edge limit: the pack's share of all edges, so that packs fill up in atoms and edges alike
+    max_edges = 2 * math.ceil(max(max(pairs), sum(pairs) / sum(sizes) * max_nodes * 1.05))
+    knn_batch = molecules_to_batch(
+        mols, greedy_packs(sizes, max_nodes, max_graphs), max_nodes, max_graphs
+    )
+    radius_packs = greedy_packs(sizes, max_nodes, max_graphs, pairs, max_edges)
+    radius_batch = molecules_to_batch(mols, radius_packs, max_nodes, max_graphs, max_edges, cutoff)
+
+    torch.manual_seed(seed)
+    reference = SchNet(**hyper, cutoff=cutoff, graph="knn", k=k, max_nodes_per_pack=max_nodes)
+    variants: dict[str, tuple[torch.nn.Module, tuple]] = {}
+    edges: dict[str, dict[str, int]] = {}
+    for graph, batch in (("knn", knn_batch), ("radius", radius_batch)):
+        for symmetric in (True, False) if graph == "radius" else (True,):
+            ours = SchNet(
+                **hyper,
+                cutoff=cutoff,
+                graph=graph,
+                k=k,
+                pair_symmetric=symmetric,
+                max_nodes_per_pack=max_nodes,
+            )
+            ours.load_state_dict(reference.state_dict())
+            name = f"ours {graph}" + ("" if graph == "knn" else f" pair_symmetric={symmetric}")
+            variants[name] = (ours, (batch,))
+        edge_index, _, edge_mask = ours.interaction_graph(batch)
+        real = batch.node_mask
+        # PyG sees the plain molecules (real atoms only) and the real edges of our graph
+        renumber = torch.cumsum(real.long(), 0) - 1
+        pyg_edges = renumber[edge_index[:, edge_mask]]
+
+        def interaction_graph(pos: Tensor, batch: Tensor, e: Tensor = pyg_edges):
+            return e, (pos[e[0]] - pos[e[1]]).norm(dim=-1)
+
+        pyg = PygSchNet(**hyper, cutoff=cutoff, interaction_graph=interaction_graph)
+        pyg.load_state_dict(reference.state_dict())
+        variants[f"pyg {graph}"] = (pyg, (batch.z[real], batch.pos[real], batch.graph[real]))
+        edges[graph] = {"ours": edge_index.shape[1], "real": int(edge_mask.sum())}
+
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for round_ in range(repeats + 1):
+        for name, (model, args) in variants.items():
+            seconds = _time_step(model, args)
+            if round_:  # round 0 warms up
+                times[name].append(seconds)
+    results = {
+        name: {
+            "ms_per_batch": 1000 * float(np.median(t)),
+            "ms_min": 1000 * min(t),
+            "molecules_per_s": molecules / float(np.median(t)),
+            "ms_all": [round(1000 * x, 1) for x in t],
+        }
+        for name, t in times.items()
+    }
+    ratios = {
+        name: results[f"pyg {name.split()[1]}"]["ms_per_batch"] / r["ms_per_batch"]
+        for name, r in results.items()
+        if name.startswith("ours")
+    }
+    ratios_min = {
+        name: results[f"pyg {name.split()[1]}"]["ms_min"] / r["ms_min"]
+        for name, r in results.items()
+        if name.startswith("ours")
+    }
+    return {
+        "molecules": molecules,
+        "atoms": sum(sizes),
+        "threads": torch.get_num_threads(),
+        "hyperparameters": {**hyper, "cutoff": cutoff, "k": k},
+        "packs": {
+            "max_nodes": max_nodes,
+            "max_graphs": max_graphs,
+            "max_edges": max_edges,
+            "knn_packs": knn_batch.num_nodes // max_nodes,
+            "radius_packs": len(radius_packs),
+            "node_slots_knn": knn_batch.num_nodes,
+        },
+        "edges": edges,
+        "results": results,
+        "speedup_vs_pyg": ratios,
+        "speedup_vs_pyg_min": ratios_min,
+        "note": PYG_NOTE,
+    }
+
+
+PYG_NOTE = (
+    "PyG's default radius graph needs torch-cluster (not installed): PyG is given an "
+    "interaction_graph callable in pure torch returning the real edges of our graph "
+    "(precomputed, not timed) and their lengths from pos (timed). Our knn search is timed."
+)
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--molecules", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--store", default="data/qm9.h5")
+    parser.add_argument("--max-nodes", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads; 0 = default")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    report = run_benchmark(args.molecules, args.repeats, args.store, args.max_nodes, seed=args.seed)
+    edges, packs = report["edges"], report["packs"]
+    print(
+        f"{report['molecules']} QM9 molecules ({report['atoms']} atoms), "
+        f"{report['threads']} threads, forward+backward, median of {args.repeats}"
+    )
+    print(
+        f"knn k=24: {packs['knn_packs']} packs of {packs['max_nodes']} atoms, "
+        f"{edges['knn']['ours']} edge slots (ours), {edges['knn']['real']} real edges (PyG)"
+    )
+    print(
+        f"radius 6 A: {packs['radius_packs']} packs, {edges['radius']['ours']} edge slots "
+        f"(ours), {edges['radius']['real']} real edges (PyG)"
+    )
+    header = f"{'variant':<32}{'ms/batch':>10}{'min ms':>9}{'molecules/s':>13}"
+    print(header + f"{'vs PyG':>8}{'(min)':>8}")
+    for name, r in report["results"].items():
+        ratio = report["speedup_vs_pyg"].get(name)
+        ratio_min = report["speedup_vs_pyg_min"].get(name)
+        shown = f"{ratio:>7.2f}x{ratio_min:>7.2f}x" if ratio else ""
+        row = (
+            f"{name:<32}{r['ms_per_batch']:>10.0f}{r['ms_min']:>9.0f}{r['molecules_per_s']:>13.0f}"
+        )
+        print(row + shown)
+    print(report["note"])
+    return report
+
+
+if __name__ == "__main__":
+    main()
