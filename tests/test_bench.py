@@ -47,3 +47,11 @@ def test_throughput(store: Path, tmp_path: Path) -> None:
     assert {"packed radius+tuple", "packed knn+lpfhp", "stock PyG SchNet"} <= names
     for key in ("packed_vs_pyg", "packed_vs_padded"):
         assert loaded["ratios"][key] > 0
+
+
+def test_loader(store: Path, tmp_path: Path) -> None:
+    from schnet_ipu.bench import loader
+
+    report = loader.run_loader(store, sample=200, size=TINY, timing=ONE_STEP, workers=(0, 1))
+    loaded = check_report(report, "loader", tmp_path, loader)
+    assert loaded["ratios"]["loader_vs_training"] > 0

@@ -12,7 +12,7 @@ import logging
 
 from schnet_ipu.bench.common import QM9_STORE, write_report
 
-SUITES = ("throughput",)
+SUITES = ("throughput", "ablation", "batching", "loader", "scaling")
 
 
 def main(argv: list[str] | None = None) -> dict:
