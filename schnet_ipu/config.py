@@ -47,7 +47,7 @@ class PackingConfig:
     max_graphs: int = 0  # molecules per pack; 0 = derived from the data
     packs_per_batch: int = 8  # B: packs in one micro-batch
     target_efficiency: float = 0.985  # for the automatic limit search
-    heuristic: str = "product"  # tuple packing: product | sum | max | min | nodes | edges
+    heuristic: str = "sum"  # tuple packing: sum | product | max | min | nodes | edges
 
 
 @dataclass

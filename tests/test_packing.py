@@ -245,3 +245,14 @@ def test_baseline_properties(atoms: list, name: str, batch: int, with_edges: boo
     if with_edges and padded_e:
         assert result.edge_efficiency == pytest.approx(real_e / padded_e)
     assert result.distinct_shapes == len(set(result.shapes))
+
+
+def test_balanced_beats_decreasing_fit_when_edges_grow_like_atoms_squared() -> None:
+    # QM9-like: edges ~ n (n - 1). Decreasing order fills early packs with large molecules
+    # that exhaust edges and late packs with small ones that exhaust atoms; balanced mixes.
+    atoms = np.random.default_rng(0).integers(5, 21, size=2000)
+    pairs, counts = pair_histogram(atoms, atoms * (atoms - 1))
+    plans = {v: tuple_pack(pairs, counts, 60, 800, 60, "sum", v) for v in VARIANTS}
+    worst = {v: min(p.node_efficiency, p.edge_efficiency) for v, p in plans.items()}
+    assert worst["balanced"] > worst["best_fit"] + 0.03
+    assert worst["balanced"] > worst["first_fit"] + 0.03

@@ -38,7 +38,7 @@ def plan_packing(
     max_edges: int = 0,
     max_graphs: int = 0,
     target_efficiency: float = 0.985,
-    heuristic: str = "product",
+    heuristic: str = "sum",
 ) -> PackPlan:
     """Plan packs for molecules with ``node_counts`` (int [M]) atoms and, for ``tuple`` and
     optionally ``pad_to_max``, ``edge_counts`` (int [M]) directed edges.
@@ -86,9 +86,7 @@ def plan_packing(
             max_nodes, max_edges = search_tuple_limits(
                 pairs, counts, target_efficiency, max_nodes, max_edges, max_graphs, heuristic
             )
-        plan = tuple_pack(
-            pairs, counts, max_nodes, max_edges, max_graphs or max_nodes, heuristic, "best_fit"
-        )
+        plan = tuple_pack(pairs, counts, max_nodes, max_edges, max_graphs or max_nodes, heuristic)
     if auto:
         _warn_if_short(plan, target_efficiency)
     if not max_graphs:

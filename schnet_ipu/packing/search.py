@@ -39,7 +39,7 @@ def tuple_curve(
     counts: np.ndarray,
     node_limits: list[int],
     max_graphs: int = 0,
-    heuristic: str = "product",
+    heuristic: str = "sum",
     max_edges: int = 0,
 ) -> list[tuple[int, int, float, float]]:
     """``(max_nodes, max_edges, node eff, edge eff)`` per node limit; ``max_edges`` 0 = the
@@ -60,21 +60,41 @@ def search_tuple_limits(
     max_nodes: int = 0,
     max_edges: int = 0,
     max_graphs: int = 0,
-    heuristic: str = "product",
+    heuristic: str = "sum",
+    step: int = 4,
 ) -> tuple[int, int]:
     """Smallest ``(max_nodes, max_edges)`` (by atoms, then edges) whose tuple plan reaches
     ``target`` for both node and edge efficiency; a given limit (non-zero) is kept. Falls
-    back to the pair with the best worse-of-the-two efficiency."""
+    back to the pair with the best worse-of-the-two efficiency.
+
+    With the edge limit matched to the data's edges-per-atom ratio, node limits start where
+    that edge limit holds the largest molecule. They are swept in steps of ``step`` atoms;
+    below the first that reaches the target, the skipped limits are tried one by one. The
+    curve is not monotone, so a smaller limit between two coarse points that both miss the
+    target can be passed over; the cost is about ``range / step + step`` plans.
+    """
     largest_n, largest_e = int(pairs[:, 0].max()), int(pairs[:, 1].max())
-    upper = max(128, 4 * largest_n)
-    node_limits = [max_nodes] if max_nodes else list(range(largest_n, upper + 1))
-    if max_edges:
-        rows = tuple_curve(pairs, counts, node_limits, max_graphs, heuristic, max_edges)
+    ratio = float((pairs[:, 1] * counts).sum() / (pairs[:, 0] * counts).sum())
+    if max_nodes:
+        candidates = [max_nodes]
     else:
-        rows = tuple_curve(pairs, counts, node_limits, max_graphs, heuristic)
-        rows = [r for r in rows if r[1] >= largest_e]
-    for nodes, edges, node_eff, edge_eff in rows:
-        if min(node_eff, edge_eff) >= target - 1e-12:
-            return nodes, edges
-    best = max(rows, key=lambda r: min(r[2], r[3]))
+        fits_largest = int(np.ceil(largest_e / ratio)) if ratio and not max_edges else 0
+        lowest = max(largest_n, fits_largest)
+        candidates = list(range(lowest, max(128, 4 * largest_n, lowest) + 1))
+
+    def row(nodes: int) -> tuple[int, int, float, float]:
+        return tuple_curve(pairs, counts, [nodes], max_graphs, heuristic, max_edges)[0]
+
+    def reaches(r: tuple[int, int, float, float]) -> bool:
+        return min(r[2], r[3]) >= target - 1e-12
+
+    tried = []
+    for i in range(0, len(candidates), step):
+        tried.append(row(candidates[i]))
+        if reaches(tried[-1]):
+            for nodes in candidates[max(i - step + 1, 0) : i]:
+                if reaches(smaller := row(nodes)):
+                    return smaller[0], smaller[1]
+            return tried[-1][0], tried[-1][1]
+    best = max(tried, key=lambda r: min(r[2], r[3]))
     return best[0], best[1]
