@@ -25,10 +25,11 @@ from schnet_ipu.model import SchNet, masked_mse
 
 CALLS, STEPS, ACCUM = 1, 2, 2  # train_calls, device iterations, gradient accumulation
 CLIP = 0.2  # small enough to be active, so clipping before the reduction would show
-SCENARIOS = {  # name -> (model, merge_allreduce, replica counts)
-    "tiny-merged": ("tiny", True, (2, 4)),
-    "tiny-per-parameter": ("tiny", False, (2, 4)),
-    "schnet-merged": ("schnet", True, (2,)),
+SCENARIOS = {  # name -> (model, merge_allreduce, grad_clip, replica counts)
+    "tiny-merged": ("tiny", True, 0.0, (2, 4)),
+    "tiny-per-parameter": ("tiny", False, 0.0, (2, 4)),
+    "tiny-merged-clipped": ("tiny", True, CLIP, (2, 4)),
+    "schnet-merged-clipped": ("schnet", True, CLIP, (2,)),
 }
 
 
@@ -53,7 +54,7 @@ def replica_worker(rank: int, world: int, out_dir: Path) -> None:
     replica = init_replica(BackendConfig(device="cpu", replicas=world), "cpu")
     assert replica == ReplicaInfo(rank, world, rank)
     results = {}
-    for name, (kind, merge, worlds) in SCENARIOS.items():
+    for name, (kind, merge, clip, worlds) in SCENARIOS.items():
         if world not in worlds:
             continue
         model = build_model(kind, seed=rank)  # differs per rank until the broadcast
@@ -64,7 +65,7 @@ def replica_worker(rank: int, world: int, out_dir: Path) -> None:
             device_iterations=STEPS,
             gradient_accumulation=ACCUM,
             merge_allreduce=merge,
-            grad_clip=CLIP,
+            grad_clip=clip,
             replica=replica,
         )
         records = [r for call in range(CALLS) for r in backend.train_call(batches_for(call, rank))]
@@ -73,7 +74,7 @@ def replica_worker(rank: int, world: int, out_dir: Path) -> None:
     shutdown_replica()
 
 
-def reference(kind: str, world: int) -> nn.Module:
+def reference(kind: str, world: int, clip: float) -> nn.Module:
     """One process: each step on the mean loss over all replicas' micro-batches of that step."""
     model = build_model(kind, seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -84,7 +85,8 @@ def reference(kind: str, world: int) -> nn.Module:
             group = [b for batches in per_rank for b in batches[step * ACCUM : (step + 1) * ACCUM]]
             opt.zero_grad()
             torch.stack([loss_fn(model, b) for b in group]).mean().backward()
-            nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            if clip:
+                nn.utils.clip_grad_norm_(model.parameters(), clip)
             opt.step()
     return model
 
@@ -93,10 +95,10 @@ def reference(kind: str, world: int) -> nn.Module:
 def test_replicas_match_one_process(world: int, tmp_path: Path) -> None:
     launch_replicas(replica_worker, world, world, tmp_path)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
-    for name, (kind, merge, worlds) in SCENARIOS.items():
+    for name, (kind, merge, clip, worlds) in SCENARIOS.items():
         if world not in worlds:
             continue
-        want = reference(kind, world).state_dict()
+        want = reference(kind, world, clip).state_dict()
         for rank, results in enumerate(ranks):
             for key, value in results[name]["state"].items():
                 torch.testing.assert_close(
