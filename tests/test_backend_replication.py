@@ -17,7 +17,13 @@ from test_backend import TinyModel, make_batch
 from test_backend import masked_mse as tiny_loss
 from torch import Tensor, nn
 
-from schnet_ipu.backends import ReplicaInfo, TorchBackend, init_replica, launch_replicas
+from schnet_ipu.backends import (
+    ReplicaInfo,
+    TorchBackend,
+    init_replica,
+    launch_replicas,
+    processes_for,
+)
 from schnet_ipu.backends.distributed import shutdown_replica
 from schnet_ipu.batch import Batch
 from schnet_ipu.config import BackendConfig
@@ -132,3 +138,10 @@ def test_one_replica_runs_in_process() -> None:
 def test_alone_with_replicas_configured_is_an_error() -> None:
     with pytest.raises(RuntimeError, match="launch_replicas"):
         init_replica(BackendConfig(replicas=2), "cpu")
+
+
+def test_poptorch_devices_replicate_in_one_process() -> None:
+    cfg = BackendConfig(replicas=4)
+    assert processes_for(cfg, "cpu") == 4
+    assert processes_for(cfg, "ipu") == processes_for(cfg, "ipu-model") == 1
+    assert init_replica(cfg, "ipu") == ReplicaInfo()

@@ -20,7 +20,12 @@ import logging
 import torch
 from torch import nn
 
-from schnet_ipu.backends.distributed import ReplicaInfo, init_replica, launch_replicas
+from schnet_ipu.backends.distributed import (
+    ReplicaInfo,
+    init_replica,
+    launch_replicas,
+    processes_for,
+)
 from schnet_ipu.backends.torch_backend import LossFn, RecompilationError, TorchBackend
 from schnet_ipu.config import BackendConfig
 
@@ -35,6 +40,7 @@ __all__ = [
     "launch_replicas",
     "make_backend",
     "poptorch_available",
+    "processes_for",
     "select_device",
 ]
 

@@ -64,16 +64,25 @@ def popdist_instance() -> ReplicaInfo | None:
     return ReplicaInfo(popdist.getInstanceIndex(), popdist.getNumInstances(), 0)
 
 
+def processes_for(backend_cfg: BackendConfig, device: str) -> int:
+    """Replica processes to launch: R for torch devices, 1 for PopTorch, which replicates
+    inside one process (``device`` is what :func:`~schnet_ipu.backends.select_device` gave)."""
+    return 1 if device in ("ipu", "ipu-model") else backend_cfg.replicas
+
+
 def init_replica(backend_cfg: BackendConfig, device: str, timeout_s: float = 600.0) -> ReplicaInfo:
     """Join the process group described by the environment; one process means no group.
 
     Under PopRun the instance comes from popdist and PopTorch does the collectives, so no
-    ``torch.distributed`` group is made. Otherwise WORLD_SIZE > 1 (set by torchrun or by
-    :func:`launch_replicas`) initialises ``torch.distributed`` with gloo or nccl.
+    ``torch.distributed`` group is made; nor on one IPU host. Otherwise WORLD_SIZE > 1 (set
+    by torchrun or by :func:`launch_replicas`) initialises ``torch.distributed`` with gloo
+    (CPU) or nccl (CUDA).
     """
     instance = popdist_instance()
     if instance is not None:
         return instance
+    if device in ("ipu", "ipu-model"):  # PopTorch replicates inside this process
+        return ReplicaInfo()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size == 1:
         if backend_cfg.replicas > 1:
