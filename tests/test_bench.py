@@ -55,3 +55,17 @@ def test_loader(store: Path, tmp_path: Path) -> None:
     report = loader.run_loader(store, sample=200, size=TINY, timing=ONE_STEP, workers=(0, 1))
     loaded = check_report(report, "loader", tmp_path, loader)
     assert loaded["ratios"]["loader_vs_training"] > 0
+
+
+def test_batching(store: Path, tmp_path: Path) -> None:
+    from schnet_ipu.bench import batching
+
+    report = batching.run_batching(
+        store, sample=120, water_clusters=12, water_sizes=(1, 2), size=TINY,
+        batch_sizes=(8,), max_shapes=1, repeats=1,
+    )  # fmt: skip
+    loaded = check_report(report, "batching", tmp_path, batching)
+    algorithms = {r["algorithm"] for r in loaded["results"]}
+    assert algorithms == {"lpfhp", "tuple", "pad_to_max", "static_constant", "static_2n",
+                          "static_64", "dynamic"}  # fmt: skip
+    assert {r["dataset"] for r in loaded["results"]} == {"qm9", "water"}
