@@ -69,3 +69,25 @@ def test_batching(store: Path, tmp_path: Path) -> None:
     assert algorithms == {"lpfhp", "tuple", "pad_to_max", "static_constant", "static_2n",
                           "static_64", "dynamic"}  # fmt: skip
     assert {r["dataset"] for r in loaded["results"]} == {"qm9", "water"}
+
+
+def test_scaling_one_replica(store: Path, tmp_path: Path) -> None:
+    from schnet_ipu.bench import scaling
+
+    report = scaling.run_scaling(store, sample=200, size=TINY, timing=ONE_STEP, replicas=(1,))
+    loaded = check_report(report, "scaling", tmp_path, scaling)
+    assert loaded["results"][0]["collectives_per_step"] == 0
+
+
+@pytest.mark.slow
+def test_scaling_two_replicas(store: Path, tmp_path: Path) -> None:
+    from schnet_ipu.bench import scaling
+
+    report = scaling.run_scaling(
+        store, sample=200, size=TINY, timing=ONE_STEP, replicas=(1, 2), batch_molecules=8
+    )
+    loaded = check_report(report, "scaling", tmp_path, scaling)
+    by_name = {r["name"]: r for r in loaded["results"]}
+    assert by_name["2 replica(s) merged"]["collectives_per_step"] == 1
+    assert by_name["2 replica(s) per-parameter"]["collectives_per_step"] > 1
+    assert "merged_vs_per_parameter_2" in loaded["ratios"]

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from schnet_ipu.backends import make_backend
+from schnet_ipu.backends import ReplicaInfo, make_backend
 from schnet_ipu.config import Config, apply_override, validate
 from schnet_ipu.loader import PackedLoader
 from schnet_ipu.pipeline import PreparedData
@@ -97,16 +97,13 @@ def packs_for(data: PreparedData, molecules_per_batch: int) -> int:
     return max(1, round(molecules_per_batch / molecules_per_pack(data)))
 
 
-def make_trainer(cfg: Config, data: PreparedData, compile_backend: str | None = None):
-    """The TorchBackend training the config's model with Adam and the standardised loss."""
+def make_trainer(cfg: Config, data: PreparedData, replica: ReplicaInfo | None = None):
+    """The backend training the config's model with Adam and the standardised loss."""
     torch.manual_seed(cfg.seed)
     model = build_model(cfg, data)
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.optim.lr)
     loss_fn = functools.partial(standardised_loss, scale=data.residual_std())
-    backend = make_backend(cfg.backend, model, optimizer, loss_fn, cfg.optim.grad_clip)
-    if compile_backend is not None:
-        backend.compile_backend = compile_backend
-    return backend
+    return make_backend(cfg.backend, model, optimizer, loss_fn, cfg.optim.grad_clip, replica)
 
 
 def host_calls(loader: PackedLoader) -> Iterator[list]:

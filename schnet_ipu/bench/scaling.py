@@ -1,0 +1,66 @@
+"""Data-parallel scaling: 1, 2 and 4 replicas (gloo processes on CPU), merged against
+per-parameter all-reduce, with the collectives each optimiser step makes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from schnet_ipu.bench.common import QM9_STORE, ModelSize, Timing, new_report, ratio
+from schnet_ipu.bench.replicas import TrainJob, train_rate
+
+COLUMNS = ["name", "replicas", "merge_allreduce", "molecules_per_s", "step_ms",
+           "collectives_per_step", "speedup_vs_1"]  # fmt: skip
+PLOT = ("name", "molecules_per_s", "training molecules/s (all replicas)")
+
+
+def run_scaling(
+    store: str | Path = QM9_STORE,
+    sample: int = 6000,
+    size: ModelSize | None = None,
+    timing: Timing | None = None,
+    replicas: tuple[int, ...] = (1, 2, 4),
+    batch_molecules: int = 32,
+) -> dict:
+    """Rows per (replicas, merged); one replica has nothing to reduce, so it runs once."""
+    size = size or ModelSize()
+    timing = timing or Timing(warmup=3, steps=10, repeats=3)
+    overrides = ["model.graph=radius", "packing.algorithm=tuple", "loader.workers=0"]
+    results = []
+    for count in replicas:
+        for merged in (True, False) if count > 1 else (True,):
+            job = TrainJob(
+                str(store), sample, size, timing,
+                [*overrides, f"backend.merge_allreduce={merged}"], batch_molecules,
+            )  # fmt: skip
+            row = train_rate(job, count)
+            name = f"{count} replica(s)" + (
+                "" if count == 1 else " merged" if merged else " per-parameter"
+            )
+            results.append({"name": name, "replicas": count, "merge_allreduce": merged, **row})
+    single = results[0]["molecules_per_s"]
+    for row in results:
+        row["speedup_vs_1"] = ratio(row["molecules_per_s"], single)
+    ratios = {}
+    for count in replicas[1:]:
+        rows = {r["merge_allreduce"]: r for r in results if r["replicas"] == count}
+        ratios[f"scaling_{count}_merged"] = rows[True]["speedup_vs_1"]
+        ratios[f"merged_vs_per_parameter_{count}"] = ratio(
+            rows[True]["molecules_per_s"], rows[False]["molecules_per_s"]
+        )
+    notes = [
+        f"Radius graph + tuple packing, about {batch_molecules} molecules per replica and step, "
+        f"{sample} sampled QM9 training molecules; loader in-process (0 workers).",
+        "Replicas are gloo processes sharing this host's cores (each gets 1/R of the torch "
+        "threads), so on a 2-core CPU more replicas cannot add compute: this measures the "
+        "overhead of replication and of the collectives, not multi-device speed-up.",
+        f"Timing per replica: {timing.warmup} warm-up steps, median of {timing.repeats} "
+        f"windows of {timing.steps} steps; molecules/s summed over replicas.",
+        "No GPUs here; on CUDA machines the same backend uses nccl with one GPU per replica.",
+    ]
+    return new_report("scaling", results, ratios, notes)
+
+
+def run(quick: bool, store: str | Path) -> dict:
+    if quick:
+        return run_scaling(store, sample=2000, timing=Timing(2, 4, 2))
+    return run_scaling(store)
