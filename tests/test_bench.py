@@ -91,3 +91,26 @@ def test_scaling_two_replicas(store: Path, tmp_path: Path) -> None:
     assert by_name["2 replica(s) merged"]["collectives_per_step"] == 1
     assert by_name["2 replica(s) per-parameter"]["collectives_per_step"] > 1
     assert "merged_vs_per_parameter_2" in loaded["ratios"]
+
+
+def test_ablation_one_replica(store: Path, tmp_path: Path) -> None:
+    from schnet_ipu.bench import ablation
+
+    report = ablation.run_ablation(
+        store, sample=200, size=TINY, timing=ONE_STEP, replicas=1, batch_molecules=8,
+        compile=False,
+    )  # fmt: skip
+    loaded = check_report(report, "ablation", tmp_path, ablation)
+    assert len(loaded["results"]) == len(ablation.STEPS) - 1
+    assert loaded["results"][0]["vs_start"] == 1.0
+
+
+@pytest.mark.slow
+def test_ablation_two_replicas_compiled(store: Path, tmp_path: Path) -> None:
+    from schnet_ipu.bench import ablation
+
+    report = ablation.run_ablation(
+        store, sample=200, size=TINY, timing=ONE_STEP, replicas=2, batch_molecules=8
+    )
+    loaded = check_report(report, "ablation", tmp_path, ablation)
+    assert len(loaded["results"]) == len(ablation.STEPS)

@@ -1,12 +1,13 @@
-"""Training rate of a config with R data-parallel replicas (gloo processes on CPU).
+"""Training rates of configs with R data-parallel replicas (gloo processes on CPU).
 
-Each replica prepares the data, reads its share of the packed batches and trains through
-``TorchBackend.train_call``; the rates of the replicas are summed.
+One launch of R processes times a list of jobs in turn (the data of each graph and packing
+is prepared once per process); each replica reads its share of the packed batches and
+trains through ``TorchBackend.train_call``, and the replicas' rates are summed.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import gc
 import json
 import tempfile
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ from schnet_ipu.bench.common import (
     packs_for,
     training_step,
 )
-from schnet_ipu.pipeline import make_loader, prepare_data
+from schnet_ipu.pipeline import PreparedData, make_loader, prepare_data
 
 
 @dataclass
@@ -37,48 +38,56 @@ class TrainJob:
     overrides: list[str] = field(default_factory=list)
     batch_molecules: int = 32  # per replica and optimiser step, about
     batch_knn: bool = False  # knn searched over the whole batch, not block-diagonally per pack
-    result_dir: str = ""
 
 
-def train_rate(job: TrainJob, replicas: int) -> dict:
-    """Summed molecules/s, slowest replica's step time and collectives per step."""
+def train_rates(jobs: list[TrainJob], replicas: int) -> list[dict]:
+    """Per job: summed molecules/s, slowest replica's step time, collectives per step."""
     with tempfile.TemporaryDirectory() as tmp:
-        job = dataclasses.replace(
-            job, overrides=[*job.overrides, f"backend.replicas={replicas}"], result_dir=tmp
-        )
-        launch_replicas(_replica, replicas, job)
-        ranks = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("rank*.json"))]
-    if len(ranks) != replicas:
-        raise RuntimeError(f"{len(ranks)} of {replicas} replicas reported a rate")
-    return {
-        "molecules_per_s": sum(r["molecules_per_s"] for r in ranks),
-        "step_ms": max(r["step_ms"] for r in ranks),
-        "molecules_per_step": sum(r["molecules_per_step"] for r in ranks),
-        "collectives_per_step": ranks[0]["collectives_per_step"],
-        "packs_per_batch": ranks[0]["packs_per_batch"],
-    }
-
-
-def _replica(rank: int, job: TrainJob) -> None:
-    cfg = bench_config(job.store, job.sample, job.size, job.overrides)
-    replica = init_replica(cfg.backend, "cpu")
-    try:
-        data = prepare_data(cfg)
-        cfg.packing.packs_per_batch = packs_for(data, job.batch_molecules)
-        loader = make_loader(cfg, data, "train", replica.rank, replica.world_size)
-        backend = make_trainer(cfg, data, replica)
-        if job.batch_knn:
-            backend.model.max_nodes_per_pack = (
-                cfg.packing.packs_per_batch * data.train_plan.max_nodes
+        launch_replicas(_replica, replicas, jobs, replicas, tmp)
+        rows = []
+        for i in range(len(jobs)):
+            files = [Path(tmp, f"job{i}_rank{r}.json") for r in range(replicas)]
+            ranks = [json.loads(f.read_text()) for f in files]
+            rows.append(
+                {
+                    "molecules_per_s": sum(r["molecules_per_s"] for r in ranks),
+                    "step_ms": max(r["step_ms"] for r in ranks),
+                    "molecules_per_step": sum(r["molecules_per_step"] for r in ranks),
+                    "collectives_per_step": ranks[0]["collectives_per_step"],
+                    "packs_per_batch": ranks[0]["packs_per_batch"],
+                }
             )
-        rate = measure(training_step(loader, backend), job.timing)
-        record = {
-            "molecules_per_s": rate.molecules_per_s,
-            "step_ms": 1000 * rate.step_seconds,
-            "molecules_per_step": rate.molecules_per_step,
-            "collectives_per_step": backend.collectives_per_step,
-            "packs_per_batch": cfg.packing.packs_per_batch,
-        }
-        Path(job.result_dir, f"rank{rank}.json").write_text(json.dumps(record))
+    return rows
+
+
+def _replica(rank: int, jobs: list[TrainJob], replicas: int, out_dir: str) -> None:
+    prepared: dict[tuple, PreparedData] = {}
+    try:
+        for i, job in enumerate(jobs):
+            cfg = bench_config(
+                job.store, job.sample, job.size, [*job.overrides, f"backend.replicas={replicas}"]
+            )
+            replica = init_replica(cfg.backend, "cpu")
+            key = (cfg.model.graph, cfg.packing.algorithm)
+            if key not in prepared:
+                prepared[key] = prepare_data(cfg)
+            data = prepared[key]
+            cfg.packing.packs_per_batch = packs_for(data, job.batch_molecules)
+            loader = make_loader(cfg, data, "train", replica.rank, replica.world_size)
+            backend = make_trainer(cfg, data, replica)
+            if job.batch_knn:  # one knn block spanning every pack of the batch
+                packs = cfg.packing.packs_per_batch
+                backend.model.max_nodes_per_pack = packs * data.train_plan.max_nodes
+            rate = measure(training_step(loader, backend), job.timing)
+            record = {
+                "molecules_per_s": rate.molecules_per_s,
+                "step_ms": 1000 * rate.step_seconds,
+                "molecules_per_step": rate.molecules_per_step,
+                "collectives_per_step": backend.collectives_per_step,
+                "packs_per_batch": cfg.packing.packs_per_batch,
+            }
+            Path(out_dir, f"job{i}_rank{rank}.json").write_text(json.dumps(record))
+            del loader, backend
+            gc.collect()
     finally:
         shutdown_replica()

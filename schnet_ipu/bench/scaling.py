@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from schnet_ipu.bench.common import QM9_STORE, ModelSize, Timing, new_report, ratio
-from schnet_ipu.bench.replicas import TrainJob, train_rate
+from schnet_ipu.bench.replicas import TrainJob, train_rates
 
 COLUMNS = ["name", "replicas", "merge_allreduce", "molecules_per_s", "step_ms",
            "collectives_per_step", "speedup_vs_1"]  # fmt: skip
@@ -27,16 +27,18 @@ def run_scaling(
     overrides = ["model.graph=radius", "packing.algorithm=tuple", "loader.workers=0"]
     results = []
     for count in replicas:
-        for merged in (True, False) if count > 1 else (True,):
-            job = TrainJob(
-                str(store), sample, size, timing,
-                [*overrides, f"backend.merge_allreduce={merged}"], batch_molecules,
+        merges = (True, False) if count > 1 else (True,)
+        jobs = [
+            TrainJob(str(store), sample, size, timing,
+                     [*overrides, f"backend.merge_allreduce={merged}"], batch_molecules)
+            for merged in merges
+        ]  # fmt: skip
+        for merged, row in zip(merges, train_rates(jobs, count), strict=True):
+            kind = "" if count == 1 else " merged" if merged else " per-parameter"
+            results.append(
+                {"name": f"{count} replica(s){kind}", "replicas": count,
+                 "merge_allreduce": merged, **row}
             )  # fmt: skip
-            row = train_rate(job, count)
-            name = f"{count} replica(s)" + (
-                "" if count == 1 else " merged" if merged else " per-parameter"
-            )
-            results.append({"name": name, "replicas": count, "merge_allreduce": merged, **row})
     single = results[0]["molecules_per_s"]
     for row in results:
         row["speedup_vs_1"] = ratio(row["molecules_per_s"], single)
