@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import platform
 import statistics
@@ -211,6 +212,17 @@ def _cell(value: Any) -> str:
     return "" if value is None else str(value)
 
 
+def json_safe(value: Any) -> Any:
+    """``value`` with NaN and infinities as None, so the JSON is strict."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
 def format_table(rows: list[dict], columns: list[str]) -> list[str]:
     """Markdown table lines of ``columns`` of ``rows``."""
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
@@ -269,7 +281,7 @@ def write_report(
     out_dir.mkdir(parents=True, exist_ok=True)
     text = to_markdown(report, columns)
     print(text)
-    payload = json.dumps(report, indent=2, default=str)
+    payload = json.dumps(json_safe(report), indent=2, default=str, allow_nan=False)
     suite = report["suite"]
     (out_dir / f"{suite}.json").write_text(payload)
     (out_dir / f"{suite}.md").write_text(text)

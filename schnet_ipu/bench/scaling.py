@@ -1,15 +1,21 @@
 """Data-parallel scaling: 1, 2 and 4 replicas (gloo processes on CPU), merged against
-per-parameter all-reduce, with the collectives each optimiser step makes."""
+per-parameter all-reduce, with the collectives each optimiser step makes.
+
+Two measurements per row: training through the real pipeline on QM9 (loader shares,
+``train_call``), and :func:`schnet_ipu.backends.benchmark.measure_replication` on
+synthetic packed batches, which also times the gradient all-reduce on its own.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from schnet_ipu.backends.benchmark import measure_replication
 from schnet_ipu.bench.common import QM9_STORE, ModelSize, Timing, new_report, ratio
 from schnet_ipu.bench.replicas import TrainJob, train_rates
 
 COLUMNS = ["name", "replicas", "merge_allreduce", "molecules_per_s", "step_ms",
-           "collectives_per_step", "speedup_vs_1"]  # fmt: skip
+           "collectives_per_step", "speedup_vs_1", "synthetic_step_ms", "allreduce_ms"]  # fmt: skip
 PLOT = ("name", "molecules_per_s", "training molecules/s (all replicas)")
 
 
@@ -39,6 +45,14 @@ def run_scaling(
                 {"name": f"{count} replica(s){kind}", "replicas": count,
                  "merge_allreduce": merged, **row}
             )  # fmt: skip
+    synthetic = measure_replication(replicas, (True, False), timing.steps, timing.warmup)
+    for row in results:
+        match = next(
+            r for r in synthetic
+            if (r["replicas"], r["merge_allreduce"]) == (row["replicas"], row["merge_allreduce"])
+        )  # fmt: skip
+        row["synthetic_step_ms"] = match["step_ms_median"]
+        row["allreduce_ms"] = match["allreduce_ms"]
     single = results[0]["molecules_per_s"]
     for row in results:
         row["speedup_vs_1"] = ratio(row["molecules_per_s"], single)
@@ -57,6 +71,9 @@ def run_scaling(
         "overhead of replication and of the collectives, not multi-device speed-up.",
         f"Timing per replica: {timing.warmup} warm-up steps, median of {timing.repeats} "
         f"windows of {timing.steps} steps; molecules/s summed over replicas.",
+        "synthetic_step_ms / allreduce_ms: schnet_ipu.backends.benchmark.measure_replication "
+        "(paper-size SchNet, 8 synthetic packs per replica; all-reduce timed alone, NaN for "
+        "one replica).",
         "No GPUs here; on CUDA machines the same backend uses nccl with one GPU per replica.",
     ]
     return new_report("scaling", results, ratios, notes)
