@@ -178,10 +178,17 @@ def make_loader(
     replica: int = 0,
     replicas: int = 1,
     pin_memory: bool = False,
+    replicas_in_call: int = 1,
 ) -> PackedLoader:
-    """The loader of one split for one replica; training reads D x A micro-batches per call."""
+    """The loader of one split for one process.
+
+    Training reads D x A micro-batches per host call, times ``replicas_in_call`` when one
+    process feeds several replicas (PopTorch); every other split reads one per call.
+    """
     training = split == "train"
-    micro = cfg.backend.device_iterations * cfg.backend.gradient_accumulation if training else 1
+    micro = 1
+    if training:
+        micro = cfg.backend.device_iterations * cfg.backend.gradient_accumulation * replicas_in_call
     plan = data.plans[split]
     layout = Layout.from_plan(
         data.train_plan,

@@ -30,6 +30,7 @@ from schnet_ipu.backends.distributed import (
     ReplicaInfo,
     init_replica,
     launch_replicas,
+    processes_for,
     shutdown_replica,
 )
 from schnet_ipu.checkpoint import (
@@ -67,7 +68,8 @@ def train(cfg: Config, fresh: bool = False) -> dict:
     run_dir = Path(cfg.logging.run_dir)
     if fresh and run_dir.exists():
         shutil.rmtree(run_dir)
-    launch_replicas(_run_replica, cfg.backend.replicas, cfg)
+    device = select_device(cfg.backend.device)
+    launch_replicas(_run_replica, processes_for(cfg.backend, device), cfg)
     finals = read_records(run_dir / "metrics.jsonl", "final")
     return finals[-1] if finals else {}
 
@@ -103,7 +105,11 @@ def run(cfg: Config) -> None:
         cfg.backend, model, optimizer, loss_fn, cfg.optim.grad_clip, replica, device
     )
     pin = device.startswith("cuda")
-    train_loader = make_loader(cfg, data, "train", replica.rank, replica.world_size, pin)
+    # PopTorch replicates inside one process, which then feeds all R replicas per call
+    in_call = cfg.backend.replicas // processes_for(cfg.backend, device)
+    train_loader = make_loader(
+        cfg, data, "train", replica.rank, replica.world_size, pin, replicas_in_call=in_call
+    )
     val_loader = make_loader(cfg, data, "val", replica.rank, replica.world_size, pin)
     steps_per_epoch = len(train_loader) * cfg.backend.device_iterations
     scheduler = make_scheduler(cfg, optimizer, steps_per_epoch)
