@@ -102,7 +102,15 @@ def run(cfg: Config) -> None:
     )
     loss_fn = functools.partial(standardised_loss, scale=data.residual_std())
     backend = make_backend(
-        cfg.backend, model, optimizer, loss_fn, cfg.optim.grad_clip, replica, device
+        cfg.backend,
+        model,
+        optimizer,
+        loss_fn,
+        cfg.optim.grad_clip,
+        replica,
+        device,
+        seed=cfg.seed,
+        prefetch=cfg.loader.prefetch,
     )
     pin = device.startswith("cuda")
     # PopTorch replicates inside one process, which then feeds all R replicas per call

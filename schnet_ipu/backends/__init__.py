@@ -93,8 +93,12 @@ def make_backend(
     grad_clip: float = 0.0,
     replica: ReplicaInfo | None = None,
     device: str | None = None,
+    seed: int = 0,
+    prefetch: int = 4,
 ):
     """The backend for ``backend_cfg`` (device resolved with :func:`select_device` if not given).
+
+    ``seed`` and ``prefetch`` (the host-to-device buffering depth) are used by PopTorch.
 
     Returns a :class:`TorchBackend` or a ``PoptorchBackend``; both offer ``train_call``,
     ``predict``, ``recompilations`` and ``collectives_per_step``.
@@ -103,7 +107,9 @@ def make_backend(
     if device in ("ipu", "ipu-model"):
         from schnet_ipu.backends.poptorch_backend import PoptorchBackend
 
-        return PoptorchBackend(backend_cfg, model, optimizer, loss_fn, grad_clip, replica)
+        return PoptorchBackend(
+            backend_cfg, model, optimizer, loss_fn, grad_clip, replica, prefetch, seed
+        )
     return TorchBackend(
         model,
         optimizer,
