@@ -128,24 +128,32 @@ def training_step(loader: PackedLoader, backend) -> Callable[[], int]:
 def measure(step: Callable[[], int], timing: Timing) -> Rate:
     """Run ``step`` (returns molecules processed) ``warmup`` times, then time ``repeats``
     windows of ``steps`` calls; medians over the windows."""
-    for _ in range(timing.warmup):
-        step()
-    rates, seconds, molecules = [], [], []
+    return measure_side_by_side({"": step}, timing)[""]
+
+
+def measure_side_by_side(steps: dict[str, Callable[[], int]], timing: Timing) -> dict[str, Rate]:
+    """Warm every step up, then per repeat time one window of each in turn, so a change in
+    the machine's load hits every variant alike; medians over the windows."""
+    for step in steps.values():
+        for _ in range(timing.warmup):
+            step()
+    windows: dict[str, list[tuple[float, int]]] = {name: [] for name in steps}
     for _ in range(timing.repeats):
-        count = 0
-        start = time.perf_counter()
-        for _ in range(timing.steps):
-            count += step()
-        elapsed = time.perf_counter() - start
-        rates.append(count / elapsed)
-        seconds.append(elapsed / timing.steps)
-        molecules.append(count / timing.steps)
-    return Rate(
-        statistics.median(rates),
-        statistics.median(seconds),
-        statistics.median(molecules),
-        rates,
-    )
+        for name, step in steps.items():
+            count = 0
+            start = time.perf_counter()
+            for _ in range(timing.steps):
+                count += step()
+            windows[name].append((time.perf_counter() - start, count))
+    return {
+        name: Rate(
+            statistics.median(count / seconds for seconds, count in w),
+            statistics.median(seconds / timing.steps for seconds, _ in w),
+            statistics.median(count / timing.steps for _, count in w),
+            [count / seconds for seconds, count in w],
+        )
+        for name, w in windows.items()
+    }
 
 
 def ratio(a: float, b: float) -> float | None:
