@@ -74,7 +74,9 @@ def test_batching(store: Path, tmp_path: Path) -> None:
 def test_scaling_one_replica(store: Path, tmp_path: Path) -> None:
     from schnet_ipu.bench import scaling
 
-    report = scaling.run_scaling(store, sample=200, size=TINY, timing=ONE_STEP, replicas=(1,))
+    report = scaling.run_scaling(
+        store, sample=200, size=TINY, timing=ONE_STEP, replicas=(1,), synthetic_packs=1
+    )
     loaded = check_report(report, "scaling", tmp_path, scaling)
     assert loaded["results"][0]["collectives_per_step"] == 0
 
@@ -84,8 +86,9 @@ def test_scaling_two_replicas(store: Path, tmp_path: Path) -> None:
     from schnet_ipu.bench import scaling
 
     report = scaling.run_scaling(
-        store, sample=200, size=TINY, timing=ONE_STEP, replicas=(1, 2), batch_molecules=8
-    )
+        store, sample=200, size=TINY, timing=ONE_STEP, replicas=(1, 2), batch_molecules=8,
+        synthetic_packs=1,
+    )  # fmt: skip
     loaded = check_report(report, "scaling", tmp_path, scaling)
     by_name = {r["name"]: r for r in loaded["results"]}
     assert by_name["2 replica(s) merged"]["collectives_per_step"] == 1

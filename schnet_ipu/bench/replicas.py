@@ -7,7 +7,6 @@ trains through ``TorchBackend.train_call``, and the replicas' rates are summed.
 
 from __future__ import annotations
 
-import gc
 import json
 import tempfile
 from dataclasses import dataclass, field
@@ -20,7 +19,7 @@ from schnet_ipu.bench.common import (
     Timing,
     bench_config,
     make_trainer,
-    measure,
+    measure_side_by_side,
     packs_for,
     training_step,
 )
@@ -34,7 +33,7 @@ class TrainJob:
     store: str
     sample: int
     size: ModelSize
-    timing: Timing
+    timing: Timing  # the first job's timing applies to every job of a launch
     overrides: list[str] = field(default_factory=list)
     batch_molecules: int = 32  # per replica and optimiser step, about
     batch_knn: bool = False  # knn searched over the whole batch, not block-diagonally per pack
@@ -61,7 +60,9 @@ def train_rates(jobs: list[TrainJob], replicas: int) -> list[dict]:
 
 
 def _replica(rank: int, jobs: list[TrainJob], replicas: int, out_dir: str) -> None:
+    """Set every job up, then time them side by side (every rank in the same order)."""
     prepared: dict[tuple, PreparedData] = {}
+    steps, backends, packs = {}, [], []
     try:
         for i, job in enumerate(jobs):
             cfg = bench_config(
@@ -76,18 +77,21 @@ def _replica(rank: int, jobs: list[TrainJob], replicas: int, out_dir: str) -> No
             loader = make_loader(cfg, data, "train", replica.rank, replica.world_size)
             backend = make_trainer(cfg, data, replica)
             if job.batch_knn:  # one knn block spanning every pack of the batch
-                packs = cfg.packing.packs_per_batch
-                backend.model.max_nodes_per_pack = packs * data.train_plan.max_nodes
-            rate = measure(training_step(loader, backend), job.timing)
+                backend.model.max_nodes_per_pack = (
+                    cfg.packing.packs_per_batch * data.train_plan.max_nodes
+                )
+            steps[i] = training_step(loader, backend)
+            backends.append(backend)
+            packs.append(cfg.packing.packs_per_batch)
+        timing = jobs[0].timing
+        for i, rate in measure_side_by_side(steps, timing).items():
             record = {
                 "molecules_per_s": rate.molecules_per_s,
                 "step_ms": 1000 * rate.step_seconds,
                 "molecules_per_step": rate.molecules_per_step,
-                "collectives_per_step": backend.collectives_per_step,
-                "packs_per_batch": cfg.packing.packs_per_batch,
+                "collectives_per_step": backends[i].collectives_per_step,
+                "packs_per_batch": packs[i],
             }
             Path(out_dir, f"job{i}_rank{rank}.json").write_text(json.dumps(record))
-            del loader, backend
-            gc.collect()
     finally:
         shutdown_replica()

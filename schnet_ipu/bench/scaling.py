@@ -26,6 +26,7 @@ def run_scaling(
     timing: Timing | None = None,
     replicas: tuple[int, ...] = (1, 2, 4),
     batch_molecules: int = 32,
+    synthetic_packs: int = 8,
 ) -> dict:
     """Rows per (replicas, merged); one replica has nothing to reduce, so it runs once."""
     size = size or ModelSize()
@@ -45,7 +46,9 @@ def run_scaling(
                 {"name": f"{count} replica(s){kind}", "replicas": count,
                  "merge_allreduce": merged, **row}
             )  # fmt: skip
-    synthetic = measure_replication(replicas, (True, False), timing.steps, timing.warmup)
+    synthetic = measure_replication(
+        replicas, (True, False), timing.steps, timing.warmup, synthetic_packs
+    )
     for row in results:
         match = next(
             r for r in synthetic
@@ -72,7 +75,7 @@ def run_scaling(
         f"Timing per replica: {timing.warmup} warm-up steps, median of {timing.repeats} "
         f"windows of {timing.steps} steps; molecules/s summed over replicas.",
         "synthetic_step_ms / allreduce_ms: schnet_ipu.backends.benchmark.measure_replication "
-        "(paper-size SchNet, 8 synthetic packs per replica; all-reduce timed alone, NaN for "
+        f"(paper-size SchNet, {synthetic_packs} synthetic packs per replica; all-reduce timed alone, NaN for "
         "one replica).",
         "No GPUs here; on CUDA machines the same backend uses nccl with one GPU per replica.",
     ]
