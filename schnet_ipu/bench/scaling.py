@@ -75,8 +75,8 @@ def run_scaling(
         f"Timing per replica: {timing.warmup} warm-up steps, median of {timing.repeats} "
         f"windows of {timing.steps} steps; molecules/s summed over replicas.",
         "synthetic_step_ms / allreduce_ms: schnet_ipu.backends.benchmark.measure_replication "
-        f"(paper-size SchNet, {synthetic_packs} synthetic packs per replica; all-reduce timed alone, NaN for "
-        "one replica).",
+        f"(paper-size SchNet, {synthetic_packs} synthetic packs per replica; the all-reduce "
+        "timed alone, empty for one replica).",
         "No GPUs here; on CUDA machines the same backend uses nccl with one GPU per replica.",
     ]
     return new_report("scaling", results, ratios, notes)
