@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from schnet_ipu.batch import Batch
 from schnet_ipu.bench.common import QM9_STORE, ModelSize, new_report
 from schnet_ipu.data import MoleculeStore, edge_counts, generate_water, make_split
 from schnet_ipu.loader import Layout, PackedDataset
@@ -68,16 +69,12 @@ def shape_of(layout: Layout) -> Shape:
     return b * layout.max_nodes, b * layout.max_edges, b * layout.max_graphs
 
 
-def step_seconds(model: SchNet, dataset: PackedDataset, packs: list[np.ndarray], repeats: int):
-    """Median forward+backward seconds of the batch made of ``packs`` (store indices)."""
-    batch = dataset.collate(packs)
-    times = []
-    for _ in range(repeats + 1):  # the first run warms up
-        start = time.perf_counter()
-        model.zero_grad(set_to_none=True)
-        masked_mse(model(batch), batch.y, batch.graph_mask, 1.0).backward()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+def fwd_bwd_seconds(model: SchNet, batch: Batch) -> float:
+    """Seconds of one forward+backward pass of ``model`` on ``batch``."""
+    start = time.perf_counter()
+    model.zero_grad(set_to_none=True)
+    masked_mse(model(batch), batch.y, batch.graph_mask, 1.0).backward()
+    return time.perf_counter() - start
 
 
 def bench_dataset(
@@ -89,7 +86,12 @@ def bench_dataset(
     max_shapes: int,
     repeats: int,
 ) -> list[dict]:
-    """Rows for every algorithm and batch size on the molecules ``index`` of ``store``."""
+    """Rows for every algorithm and batch size on the molecules ``index`` of ``store``.
+
+    One real batch of each of an algorithm's ``max_shapes`` most frequent shapes is timed;
+    after a warm-up pass, every batch is timed once per round, ``repeats`` rounds, so load
+    changes hit all algorithms alike.
+    """
     nodes = store.num_atoms[index]
     edges = edge_counts(store, size.cutoff)[index]
     targets = np.zeros(len(store))
@@ -98,39 +100,52 @@ def bench_dataset(
         size.hidden_channels, size.num_filters, size.num_interactions, size.num_gaussians,
         size.cutoff, graph="radius", pair_symmetric=True,
     )  # fmt: skip
-    dummy_plan: PackPlan = plan_packing(nodes, None, "pad_to_max")
-    rows = []
-    for batch in batch_sizes:
+    any_plan: PackPlan = plan_packing(nodes, None, "pad_to_max")  # collate never reads it
+    rows, probes = [], []  # probes: (row, shape, batch)
+    for batch_size in batch_sizes:
         for algorithm in (*PACKERS, *BASELINES):
-            batches, node_eff, edge_eff = epoch_batches(algorithm, nodes, edges, batch)
+            batches, node_eff, edge_eff = epoch_batches(algorithm, nodes, edges, batch_size)
             shapes = Counter(shape_of(layout) for _, layout in batches)
-            timed: dict[Shape, float] = {}
+            row = {
+                "label": f"{name}/{algorithm}/{batch_size}",
+                "dataset": name,
+                "algorithm": algorithm,
+                "batch": batch_size,
+                "node_efficiency": node_eff,
+                "edge_efficiency": edge_eff,
+                "distinct_shapes": len(shapes),
+                "batches": len(batches),
+                "shape_counts": shapes,
+            }
+            rows.append(row)
+            wanted = {shape for shape, _ in shapes.most_common(max_shapes)}
             for packs, layout in batches:
                 shape = shape_of(layout)
-                if shape in timed or shape not in dict(shapes.most_common(max_shapes)):
-                    continue
-                dataset = PackedDataset(
-                    store, index, targets, dummy_plan, layout, size.cutoff, seed=0
-                )
-                timed[shape] = step_seconds(model, dataset, [index[p] for p in packs], repeats)
-            covered = sum(shapes[s] for s in timed)
-            mean_step = sum(timed[s] * shapes[s] for s in timed) / covered
-            rows.append(
-                {
-                    "label": f"{name}/{algorithm}/{batch}",
-                    "dataset": name,
-                    "algorithm": algorithm,
-                    "batch": batch,
-                    "node_efficiency": node_eff,
-                    "edge_efficiency": edge_eff,
-                    "distinct_shapes": len(shapes),
-                    "batches": len(batches),
-                    "step_ms": 1000 * mean_step,
-                    "molecules_per_s": len(index) / (mean_step * len(batches)),
-                    "timed_shapes": len(timed),
-                    "timed_coverage": covered / len(batches),
-                }
-            )
+                if shape in wanted:
+                    wanted.discard(shape)
+                    dataset = PackedDataset(store, index, targets, any_plan, layout, size.cutoff, 0)
+                    probes.append((row, shape, dataset.collate([index[p] for p in packs])))
+    times: list[list[float]] = [[] for _ in probes]
+    for round_ in range(repeats + 1):  # round 0 warms up
+        for i, (_, _, batch) in enumerate(probes):
+            seconds = fwd_bwd_seconds(model, batch)
+            if round_:
+                times[i].append(seconds)
+    for row in rows:
+        shapes = row.pop("shape_counts")
+        timed = {
+            shape: statistics.median(t)
+            for (owner, shape, _), t in zip(probes, times, strict=True)
+            if owner is row
+        }
+        covered = sum(shapes[s] for s in timed)
+        mean_step = sum(timed[s] * shapes[s] for s in timed) / covered
+        row.update(
+            step_ms=1000 * mean_step,
+            molecules_per_s=len(index) / (mean_step * row["batches"]),
+            timed_shapes=len(timed),
+            timed_coverage=covered / row["batches"],
+        )
     return rows
 
 
@@ -172,9 +187,10 @@ def run_batching(
         "batch = molecules per batch (packers: packs per batch chosen to match on average).",
         f"step_ms: forward+backward of SchNet ({size.hidden_channels} features, "
         f"{size.num_interactions} interactions, radius graph, cutoff {size.cutoff}, "
-        f"pair-symmetric filters), median of {repeats} runs after one warm-up, on a real "
-        f"batch of each of the {max_shapes} most frequent shapes, weighted by how often each "
-        "shape occurs; timed_coverage = share of the epoch's batches with a timed shape.",
+        f"pair-symmetric filters) on a real batch of each of the {max_shapes} most frequent "
+        f"shapes, median of {repeats} rounds (every batch once per round, after a warm-up "
+        "round), weighted by how often each shape occurs; timed_coverage = share of the "
+        "epoch's batches with a timed shape.",
         "lpfhp packs atoms only, so its edge room is the fullest pack's edges.",
         "Eager CPU execution does not recompile; distinct_shapes is what a static-shape "
         "compiler (IPU, torch.compile without dynamic shapes) would compile.",
@@ -186,6 +202,6 @@ def run(quick: bool, store: str | Path) -> dict:
     if quick:
         return run_batching(
             store, sample=1000, water_clusters=100, water_sizes=(3, 8), batch_sizes=(32,),
-            max_shapes=2, repeats=1,
+            max_shapes=2, repeats=3,
         )  # fmt: skip
     return run_batching(store)
