@@ -28,8 +28,6 @@ from schnet_ipu.pipeline import PreparedData
 from schnet_ipu.training import build_model, standardised_loss
 
 QM9_STORE = "data/qm9.h5"
-PAPER_MODEL = {"hidden_channels": 100, "num_filters": 100, "num_interactions": 4,
-               "num_gaussians": 25, "cutoff": 6.0}  # fmt: skip
 
 
 @dataclass
@@ -216,7 +214,7 @@ def new_report(suite: str, results: list[dict], ratios: dict, notes: list[str]) 
 
 def _cell(value: Any) -> str:
     if isinstance(value, float):
-        return f"{value:.4g}"
+        return f"{value:.4g}" if math.isfinite(value) else ""
     return "" if value is None else str(value)
 
 
