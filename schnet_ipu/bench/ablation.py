@@ -82,8 +82,9 @@ def run_ablation(
         "training process, naive softplus, one all-reduce per parameter, 1 batch prefetched.",
         "Block-diagonal knn searches each pack on its own instead of the whole batch; the "
         "radius-graph step switches to precomputed radius edges with tuple packing.",
-        f"Timing per step: {timing.warmup} warm-up steps (including compilation) excluded, "
-        f"median of {timing.repeats} windows of {timing.steps} steps.",
+        f"Timing: {timing.warmup} warm-up steps per configuration (including compilation) "
+        f"excluded, then {timing.repeats} rounds in which every configuration runs a window of "
+        f"{timing.steps} steps in turn; medians over the rounds.",
         "ratios: speed-up of each step over the start.",
     ]
     return new_report("ablation", results, ratios, notes)

@@ -72,8 +72,9 @@ def run_scaling(
         "Replicas are gloo processes sharing this host's cores (each gets 1/R of the torch "
         "threads), so on a 2-core CPU more replicas cannot add compute: this measures the "
         "overhead of replication and of the collectives, not multi-device speed-up.",
-        f"Timing per replica: {timing.warmup} warm-up steps, median of {timing.repeats} "
-        f"windows of {timing.steps} steps; molecules/s summed over replicas.",
+        f"Timing per replica: {timing.warmup} warm-up steps, then {timing.repeats} rounds of "
+        f"{timing.steps}-step windows (merged and per-parameter in turn); medians over the "
+        "rounds; molecules/s summed over replicas.",
         "synthetic_step_ms / allreduce_ms: schnet_ipu.backends.benchmark.measure_replication "
         f"(paper-size SchNet, {synthetic_packs} synthetic packs per replica; the all-reduce "
         "timed alone, empty for one replica).",
