@@ -92,6 +92,7 @@ class BackendConfig:
     gradient_accumulation: int = 1  # micro-batches per optimiser step
     merge_allreduce: bool = True  # one all-reduce over a flat buffer per step
     compile: bool = False  # torch.compile the step for the fixed batch signature
+    threads: int = 0  # CPU threads per training process; 0 = torch's default
     dist_backend: str = "auto"  # auto (gloo on cpu, nccl on cuda) | gloo | nccl
 
 
@@ -165,6 +166,7 @@ NON_NEGATIVE = (
     "optim.min_lr",
     "optim.grad_clip",
     "optim.weight_decay",
+    "backend.threads",
 )
 
 

@@ -93,6 +93,8 @@ def run(cfg: Config) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
 
+    if cfg.backend.threads:
+        torch.set_num_threads(cfg.backend.threads)
     torch.manual_seed(cfg.seed)
     np.random.seed(cfg.seed)
     data = prepare_data(cfg)
