@@ -137,7 +137,7 @@ def run_throughput(
     the one of the faster packed variant's graph when it ran, else the fastest padded one.
     """
     size = size or ModelSize()
-    timing = timing or Timing(warmup=5, steps=20, repeats=5)
+    timing = timing or Timing(warmup=5, steps=10, repeats=10)
     results: dict[str, dict] = {}
     steps: dict[str, Callable[[], int]] = {}
     data = None
@@ -173,6 +173,11 @@ def run_throughput(
         "packed_vs_pyg": ratio(rate[best], rate[PYG]),
         "packed_vs_padded": ratio(rate[best], rate[reference]),
     }
+    rounds = {name: row["repeats_molecules_per_s"] for name, row in results.items()}
+    for key, other in (("packed_vs_pyg", PYG), ("packed_vs_padded", reference)):
+        ratios[f"{key}_per_round"] = [
+            a / b for a, b in zip(rounds[best], rounds[other], strict=True)
+        ]
     for name, (graph, _) in PACKED.items():
         key = name.removeprefix("packed ").replace("+", "_")
         ratios[f"{key}_vs_pyg"] = ratio(rate[name], rate[PYG])
@@ -185,7 +190,8 @@ def run_throughput(
         f"{size.num_gaussians} Gaussians, cutoff {size.cutoff}; knn k={size.k}.",
         f"Timing: {timing.warmup} warm-up steps excluded, then {timing.repeats} rounds in "
         f"which each variant runs a window of {timing.steps} steps in turn (so load changes "
-        "hit all alike); medians over the rounds; loading is inside the timed windows.",
+        "hit all alike); medians over the rounds; loading is inside the timed windows. "
+        "*_per_round: the ratio within each round, to show the spread.",
         f"Stock PyG radius graph: {RADIUS_BUILDER}; torch-cluster is not installed.",
         "Ours: PackedLoader (radius pairs computed once per molecule in the loader and "
         f"cached, {workers} worker(s)) feeding TorchBackend.train_call. On 2 cores, worker "
@@ -197,6 +203,6 @@ def run_throughput(
 
 def run(quick: bool, store: str | Path) -> dict:
     if quick:
-        timing = Timing(warmup=2, steps=5, repeats=3)
+        timing = Timing(warmup=2, steps=4, repeats=9)
         return run_throughput(store, sample=3000, timing=timing, padded=("radius",))
     return run_throughput(store)
