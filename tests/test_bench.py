@@ -39,8 +39,8 @@ def check_report(report: dict, suite: str, out_dir: Path, module) -> dict:
 def test_throughput(store: Path, tmp_path: Path) -> None:
     from schnet_ipu.bench import throughput
 
-    report = throughput.run_throughput(
-        store, sample=200, size=TINY, timing=ONE_STEP, workers=0, batch_molecules=8
+    report = throughput.run_throughput(  # compiling costs minutes; test_backend covers it
+        store, sample=200, size=TINY, timing=ONE_STEP, workers=0, batch_molecules=8, compile=False
     )
     loaded = check_report(report, "throughput", tmp_path, throughput)
     names = {r["name"] for r in loaded["results"]}

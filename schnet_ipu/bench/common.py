@@ -25,7 +25,7 @@ from schnet_ipu.backends import ReplicaInfo, make_backend
 from schnet_ipu.config import Config, apply_override, validate
 from schnet_ipu.loader import PackedLoader
 from schnet_ipu.pipeline import PreparedData
-from schnet_ipu.training import build_model, standardised_loss
+from schnet_ipu.training import build_model, make_optimizer, standardised_loss
 
 QM9_STORE = "data/qm9.h5"
 
@@ -97,10 +97,10 @@ def packs_for(data: PreparedData, molecules_per_batch: int) -> int:
 
 
 def make_trainer(cfg: Config, data: PreparedData, replica: ReplicaInfo | None = None):
-    """The backend training the config's model with Adam and the standardised loss."""
+    """The backend training the config's model with the trainer's Adam and loss."""
     torch.manual_seed(cfg.seed)
     model = build_model(cfg, data)
-    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.optim.lr)
+    optimizer = make_optimizer(cfg, model, "cpu")
     loss_fn = functools.partial(standardised_loss, scale=data.residual_std())
     return make_backend(cfg.backend, model, optimizer, loss_fn, cfg.optim.grad_clip, replica)
 
