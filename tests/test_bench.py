@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from schnet_ipu.bench.common import ModelSize, Timing, write_report
+from schnet_ipu.bench.common import Timing, write_report
+from schnet_ipu.config import ModelConfig
 from schnet_ipu.data import import_qm9
 
-TINY = ModelSize(hidden_channels=8, num_filters=8, num_interactions=1, num_gaussians=6, k=4)
+TINY = ModelConfig(hidden_channels=8, num_filters=8, num_interactions=1, num_gaussians=6, k=4)
 ONE_STEP = Timing(warmup=1, steps=1, repeats=1)
 
 

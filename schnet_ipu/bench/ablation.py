@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from schnet_ipu.bench.common import QM9_STORE, ModelSize, Timing, new_report, ratio
+from schnet_ipu.bench.common import QM9_STORE, Timing, new_report, ratio
 from schnet_ipu.bench.replicas import TrainJob, train_rates
+from schnet_ipu.config import ModelConfig
 
 START = [
     "packing.algorithm=pad_to_max",
@@ -44,14 +45,14 @@ PLOT = ("step", "molecules_per_s", "training molecules/s (all replicas)")
 def run_ablation(
     store: str | Path = QM9_STORE,
     sample: int = 6000,
-    size: ModelSize | None = None,
+    size: ModelConfig | None = None,
     timing: Timing | None = None,
     replicas: int = 2,
     batch_molecules: int = 32,
     compile: bool = True,
 ) -> dict:
     """Molecules/s after each cumulative step, with speed-ups over the previous and the start."""
-    size = size or ModelSize()
+    size = size or ModelConfig()
     timing = timing or Timing(warmup=3, steps=10, repeats=3)
     steps = [s for s in STEPS if compile or "backend.compile=true" not in s[1]]
     jobs, overrides = [], list(START)

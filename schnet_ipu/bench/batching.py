@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 from schnet_ipu.batch import Batch
-from schnet_ipu.bench.common import QM9_STORE, ModelSize, new_report
+from schnet_ipu.bench.common import QM9_STORE, new_report
+from schnet_ipu.config import ModelConfig
 from schnet_ipu.data import MoleculeStore, edge_counts, generate_water, make_split
 from schnet_ipu.loader import Layout, PackedDataset
 from schnet_ipu.model import SchNet, masked_mse
@@ -81,7 +82,7 @@ def bench_dataset(
     name: str,
     store: MoleculeStore,
     index: np.ndarray,
-    size: ModelSize,
+    size: ModelConfig,
     batch_sizes: tuple[int, ...],
     max_shapes: int,
     repeats: int,
@@ -154,13 +155,13 @@ def run_batching(
     sample: int = 5000,
     water_clusters: int = 300,
     water_sizes: tuple[int, int] = (3, 20),
-    size: ModelSize | None = None,
+    size: ModelConfig | None = None,
     batch_sizes: tuple[int, ...] = (16, 32, 64),
     max_shapes: int = 6,
     repeats: int = 3,
 ) -> dict:
     """QM9 (a fixed random sample) and a temporary synthetic water store, side by side."""
-    size = size or ModelSize()
+    size = size or ModelConfig()
     qm9 = MoleculeStore(store)
     sample = min(sample, len(qm9))
     qm9_index = make_split(len(qm9), 0, 0, seed=0, subset=sample)["train"]

@@ -15,14 +15,14 @@ import statistics
 import subprocess
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from schnet_ipu.backends import ReplicaInfo, make_backend
-from schnet_ipu.config import Config, apply_override, validate
+from schnet_ipu.config import Config, ModelConfig, apply_override, validate
 from schnet_ipu.loader import PackedLoader
 from schnet_ipu.pipeline import PreparedData
 from schnet_ipu.training import build_model, make_optimizer, standardised_loss
@@ -40,21 +40,6 @@ class Timing:
 
 
 @dataclass
-class ModelSize:
-    """The SchNet size under test (the paper's by default; tests shrink it)."""
-
-    hidden_channels: int = 100
-    num_filters: int = 100
-    num_interactions: int = 4
-    num_gaussians: int = 25
-    cutoff: float = 6.0
-    k: int = 24  # knn graphs: neighbours per atom (tiny test stores need fewer)
-
-    def overrides(self) -> list[str]:
-        return [f"model.{k}={v}" for k, v in self.__dict__.items()]
-
-
-@dataclass
 class Rate:
     """Median molecules/s and seconds per step over the timed repeats."""
 
@@ -64,13 +49,13 @@ class Rate:
     repeats: list[float] = field(default_factory=list)
 
 
-def bench_config(store: str | Path, sample: int, size: ModelSize, overrides: list[str]) -> Config:
+def bench_config(store: str | Path, sample: int, size: ModelConfig, overrides: list[str]) -> Config:
     """A validated config on a fixed random ``sample`` of the store's training molecules.
 
     ``data.subset`` draws the sample (with small val/test shares the split needs); the
     split file beside the store makes it the same molecules for every variant.
     """
-    cfg = Config()
+    cfg = Config(model=replace(size))  # the model under test; overrides pick its graph
     base = [
         f"data.path={store}",
         f"data.subset={round(sample / 0.9)}",
@@ -79,7 +64,6 @@ def bench_config(store: str | Path, sample: int, size: ModelSize, overrides: lis
         "optim.grad_clip=0",
         "backend.device=cpu",
         "logging.progress=false",
-        *size.overrides(),
     ]
     for item in [*base, *overrides]:
         apply_override(cfg, item)

@@ -14,7 +14,6 @@ from pathlib import Path
 
 from schnet_ipu.bench.common import (
     QM9_STORE,
-    ModelSize,
     Timing,
     bench_config,
     make_trainer,
@@ -23,6 +22,7 @@ from schnet_ipu.bench.common import (
     ratio,
     training_step,
 )
+from schnet_ipu.config import ModelConfig
 from schnet_ipu.data import MoleculeStore
 from schnet_ipu.loader import PackedLoader
 from schnet_ipu.pipeline import PreparedData, make_loader, prepare_data
@@ -53,13 +53,13 @@ def fresh(data: PreparedData) -> PreparedData:
 def run_loader(
     store: str | Path = QM9_STORE,
     sample: int = 10000,
-    size: ModelSize | None = None,
+    size: ModelConfig | None = None,
     timing: Timing | None = None,
     workers: tuple[int, ...] = (0, 1, 2),
     max_batches: int = 400,
 ) -> dict:
     """Loader batches/s for each worker count, cold then warm, beside the training step rate."""
-    size = size or ModelSize()
+    size = size or ModelConfig()
     timing = timing or Timing(warmup=3, steps=10, repeats=3)
     cfg = bench_config(store, sample, size, [])
     data = prepare_data(cfg)

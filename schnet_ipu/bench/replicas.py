@@ -15,7 +15,6 @@ from pathlib import Path
 from schnet_ipu.backends import init_replica, launch_replicas
 from schnet_ipu.backends.distributed import shutdown_replica
 from schnet_ipu.bench.common import (
-    ModelSize,
     Timing,
     bench_config,
     make_trainer,
@@ -23,6 +22,7 @@ from schnet_ipu.bench.common import (
     packs_for,
     training_step,
 )
+from schnet_ipu.config import ModelConfig
 from schnet_ipu.pipeline import PreparedData, make_loader, prepare_data
 
 
@@ -32,7 +32,7 @@ class TrainJob:
 
     store: str
     sample: int
-    size: ModelSize
+    size: ModelConfig
     timing: Timing  # the first job's timing applies to every job of a launch
     overrides: list[str] = field(default_factory=list)
     batch_molecules: int = 32  # per replica and optimiser step, about

@@ -11,8 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from schnet_ipu.backends.benchmark import measure_replication
-from schnet_ipu.bench.common import QM9_STORE, ModelSize, Timing, new_report, ratio
+from schnet_ipu.bench.common import QM9_STORE, Timing, new_report, ratio
 from schnet_ipu.bench.replicas import TrainJob, train_rates
+from schnet_ipu.config import ModelConfig
 
 COLUMNS = ["name", "replicas", "merge_allreduce", "molecules_per_s", "step_ms",
            "collectives_per_step", "speedup_vs_1", "synthetic_step_ms", "allreduce_ms"]  # fmt: skip
@@ -22,14 +23,14 @@ PLOT = ("name", "molecules_per_s", "training molecules/s (all replicas)")
 def run_scaling(
     store: str | Path = QM9_STORE,
     sample: int = 6000,
-    size: ModelSize | None = None,
+    size: ModelConfig | None = None,
     timing: Timing | None = None,
     replicas: tuple[int, ...] = (1, 2, 4),
     batch_molecules: int = 32,
     synthetic_packs: int = 8,
 ) -> dict:
     """Rows per (replicas, merged); one replica has nothing to reduce, so it runs once."""
-    size = size or ModelSize()
+    size = size or ModelConfig()
     timing = timing or Timing(warmup=3, steps=10, repeats=3)
     overrides = ["model.graph=radius", "packing.algorithm=tuple", "loader.workers=0"]
     results = []

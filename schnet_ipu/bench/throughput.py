@@ -16,7 +16,6 @@ import torch
 
 from schnet_ipu.bench.common import (
     QM9_STORE,
-    ModelSize,
     Timing,
     bench_config,
     make_trainer,
@@ -26,6 +25,7 @@ from schnet_ipu.bench.common import (
     ratio,
     training_step,
 )
+from schnet_ipu.config import ModelConfig
 from schnet_ipu.data import radius_edges
 from schnet_ipu.model import masked_mse
 from schnet_ipu.pipeline import PreparedData, make_loader, prepare_data
@@ -55,7 +55,7 @@ class RadiusInteractionGraph:
 def ours(
     store: str | Path,
     sample: int,
-    size: ModelSize,
+    size: ModelConfig,
     overrides: list[str],
     batch_molecules: int = 32,
 ) -> tuple[dict, PreparedData, Callable[[], int]]:
@@ -79,7 +79,7 @@ def ours(
     return row, data, training_step(loader, make_trainer(cfg, data))
 
 
-def pyg(data: PreparedData, size: ModelSize, batch_size: int = 32) -> Callable[[], int]:
+def pyg(data: PreparedData, size: ModelConfig, batch_size: int = 32) -> Callable[[], int]:
     """Training step of stock PyG SchNet, out of the box, on the same molecules, targets and
     loss as ours."""
     from torch_geometric.data import Data
@@ -126,7 +126,7 @@ def pyg(data: PreparedData, size: ModelSize, batch_size: int = 32) -> Callable[[
 def run_throughput(
     store: str | Path = QM9_STORE,
     sample: int = 10000,
-    size: ModelSize | None = None,
+    size: ModelConfig | None = None,
     timing: Timing | None = None,
     workers: int = 0,
     batch_molecules: int = 32,
@@ -140,7 +140,7 @@ def run_throughput(
     fastest padded run. ``compile`` adds radius+tuple and its pad-to-max twin compiled with
     ``torch.compile`` (compilation happens in the excluded warm-up; stock PyG stays eager).
     """
-    size = size or ModelSize()
+    size = size or ModelConfig()
     timing = timing or Timing(warmup=5, steps=10, repeats=10)
     results: dict[str, dict] = {}
     steps: dict[str, Callable[[], int]] = {}
