@@ -81,7 +81,7 @@ def prepare_data(cfg: Config) -> PreparedData:
             if len(split[name]) == 0:
                 raise ConfigError(f"the {name} split is empty; change data.val/data.test/subset")
         log.info("split: %s", ", ".join(f"{k} {len(v)}" for k, v in split.items()))
-    with stage("targets and baseline", timings):
+    with stage("targets", timings):
         targets = store.target(cfg.data.target).astype(np.float64)
         z, _ = store.concatenated()
         counts = element_counts(z, store.offsets)
@@ -91,9 +91,9 @@ def prepare_data(cfg: Config) -> PreparedData:
         dressed = fit_dressed_atoms(counts[split["train"]], targets[split["train"]])
     edges = None
     if cfg.model.graph == "radius":
-        with stage(f"edge counts at {cfg.model.cutoff} A", timings):
+        with stage("edge_counts", timings):
             edges = edge_counts(store, cfg.model.cutoff)
-    with stage("packing plan", timings):
+    with stage("packing", timings):
         plans = plan_splits(cfg, store, split, edges)
         p = plans["train"]
         log.info(
