@@ -15,8 +15,9 @@ the seed, the epoch and its index, never on which worker built it.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -140,59 +141,17 @@ class PackedDataset(Dataset):
         return self.collate(chosen)
 
     def collate(self, packs: list[np.ndarray]) -> Batch:
-        """B packs (fewer at the epoch's tail: the rest are empty) -> one fixed-shape Batch."""
-        lay = self.layout
-        n_total = lay.packs_per_batch * lay.max_nodes
-        g_total = lay.packs_per_batch * lay.max_graphs
-        z = np.zeros(n_total, dtype=np.int64)
-        pos = np.zeros((n_total, 3), dtype=np.float32)
-        graph = np.full(n_total, g_total, dtype=np.int64)
-        y = np.zeros(g_total, dtype=np.float32)
-        molecule_index = np.full(g_total, -1, dtype=np.int64)
-        pairs: list[np.ndarray] = []
-        pair_slots = []  # (pack, number of pairs) to check the edge limit per pack
-
-        for p, pack in enumerate(packs):
-            node = p * lay.max_nodes
-            pack_pairs = 0
-            for slot, index in enumerate(pack):
-                mol_z, mol_pos = self._read(int(index))
-                n = len(mol_z)
-                g = p * lay.max_graphs + slot
-                z[node : node + n] = mol_z
-                pos[node : node + n] = mol_pos
-                graph[node : node + n] = g
-                y[g] = self.targets[index]
-                molecule_index[g] = index
-                if lay.max_edges is not None:
-                    mol_pairs = self._molecule_pairs(int(index), mol_pos)
-                    pairs.append(mol_pairs.astype(np.int64) + node)
-                    pack_pairs += len(mol_pairs)
-                node += n
-            if node > (p + 1) * lay.max_nodes or len(pack) > lay.max_graphs:
-                raise LoaderError(f"pack {p} overflows its limits: molecules {list(pack)}")
-            pair_slots.append(pack_pairs)
-
-        node_mask = graph < g_total
-        padding = np.flatnonzero(~node_mask)
-        pos[padding, 0] = PADDING_ORIGIN + PADDING_SPACING * np.arange(len(padding))
-        batch = Batch(
-            z=torch.from_numpy(z),
-            pos=torch.from_numpy(pos),
-            graph=torch.from_numpy(graph),
-            node_mask=torch.from_numpy(node_mask),
-            y=torch.from_numpy(y),
-            graph_mask=torch.from_numpy(molecule_index >= 0),
-            molecule_index=torch.from_numpy(molecule_index),
-        )
-        if lay.max_edges is not None:
-            if max(pair_slots, default=0) * 2 > lay.max_edges:
-                raise LoaderError(f"a pack holds more than {lay.max_edges} edges")
-            filler = int(padding[0]) if len(padding) else 0
-            batch.edge_index, batch.edge_mask = _edge_halves(
-                pairs, lay.packs_per_batch * lay.max_edges // 2, filler
-            )
-        return batch
+        """B packs of store indices (fewer at the epoch's tail) -> one fixed-shape Batch."""
+        radius = self.layout.max_edges is not None
+        molecules = []
+        for pack in packs:
+            members = []
+            for index in pack.tolist():
+                z, pos = self._read(index)
+                pairs = self._molecule_pairs(index, pos) if radius else None
+                members.append(PackMolecule(z, pos, float(self.targets[index]), index, pairs))
+            molecules.append(members)
+        return collate(molecules, self.layout)
 
     def _read(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         try:
@@ -207,6 +166,77 @@ class PackedDataset(Dataset):
             i, j = molecule_pairs(torch.from_numpy(pos), self.cutoff)
             self._pairs[index] = torch.stack([i, j], dim=1).numpy().astype(np.int16)
         return self._pairs[index]
+
+
+class PackMolecule(NamedTuple):
+    """One molecule as the collate needs it."""
+
+    z: np.ndarray  # [n] atomic numbers
+    pos: np.ndarray  # [n, 3] float32 positions in Angstrom
+    y: float  # target
+    index: int  # index in the store (-1 allowed for molecules from elsewhere)
+    pairs: np.ndarray | None  # [P, 2] local pairs (i < j) within the cutoff; radius graphs
+
+
+def collate(packs: Sequence[Sequence[PackMolecule]], layout: Layout) -> Batch:
+    """Packs of molecules -> one Batch with the shapes of ``layout`` (see schnet_ipu.batch).
+
+    Fewer packs than ``layout.packs_per_batch`` leave the rest empty (all padding). Raises
+    LoaderError when a pack holds more atoms, molecules or edges than the layout allows.
+    """
+    lay = layout
+    n_total = lay.packs_per_batch * lay.max_nodes
+    g_total = lay.packs_per_batch * lay.max_graphs
+    z = np.zeros(n_total, dtype=np.int64)
+    pos = np.zeros((n_total, 3), dtype=np.float32)
+    graph = np.full(n_total, g_total, dtype=np.int64)
+    y = np.zeros(g_total, dtype=np.float32)
+    molecule_index = np.full(g_total, -1, dtype=np.int64)
+    graph_mask = np.zeros(g_total, dtype=bool)
+    pairs: list[np.ndarray] = []
+    if len(packs) > lay.packs_per_batch:
+        raise LoaderError(f"{len(packs)} packs for a batch of {lay.packs_per_batch}")
+    for p, pack in enumerate(packs):
+        node = p * lay.max_nodes
+        pack_pairs = 0
+        if len(pack) > lay.max_graphs:
+            raise LoaderError(f"pack {p} holds {len(pack)} molecules > {lay.max_graphs}")
+        for slot, molecule in enumerate(pack):
+            n = len(molecule.z)
+            if node + n > (p + 1) * lay.max_nodes:
+                raise LoaderError(f"pack {p} overflows {lay.max_nodes} atoms")
+            g = p * lay.max_graphs + slot
+            z[node : node + n] = molecule.z
+            pos[node : node + n] = molecule.pos
+            graph[node : node + n] = g
+            y[g] = molecule.y
+            molecule_index[g] = molecule.index
+            graph_mask[g] = True
+            if lay.max_edges is not None:
+                pairs.append(molecule.pairs.astype(np.int64) + node)
+                pack_pairs += len(molecule.pairs)
+            node += n
+        if lay.max_edges is not None and 2 * pack_pairs > lay.max_edges:
+            raise LoaderError(f"pack {p} holds {2 * pack_pairs} edges > {lay.max_edges}")
+
+    node_mask = graph < g_total
+    padding = np.flatnonzero(~node_mask)
+    pos[padding, 0] = PADDING_ORIGIN + PADDING_SPACING * np.arange(len(padding))
+    batch = Batch(
+        z=torch.from_numpy(z),
+        pos=torch.from_numpy(pos),
+        graph=torch.from_numpy(graph),
+        node_mask=torch.from_numpy(node_mask),
+        y=torch.from_numpy(y),
+        graph_mask=torch.from_numpy(graph_mask),
+        molecule_index=torch.from_numpy(molecule_index),
+    )
+    if lay.max_edges is not None:
+        filler = int(padding[0]) if len(padding) else 0
+        batch.edge_index, batch.edge_mask = _edge_halves(
+            pairs, lay.packs_per_batch * lay.max_edges // 2, filler
+        )
+    return batch
 
 
 def _edge_halves(

@@ -15,10 +15,10 @@ from schnet_ipu.batch import Batch
 from schnet_ipu.config import ModelConfig
 from schnet_ipu.model import SchNet, masked_mse, shifted_softplus
 from schnet_ipu.model.benchmark import (
-    greedy_packs,
     load_molecules,
     molecules_to_batch,
-    radius_pairs,
+    pair_array,
+    plan_packs,
 )
 from schnet_ipu.model.ops import knn_graph_packed, naive_shifted_softplus, scatter_sum
 
@@ -57,12 +57,12 @@ SIZES = [len(z) for z, _ in MOLECULES]
 
 def max_pairs(molecules, packs) -> int:
     """Most unordered radius pairs in one pack."""
-    pairs = [radius_pairs(pos, CUTOFF).shape[1] for _, pos in molecules]
+    pairs = [len(pair_array(pos, CUTOFF)) for _, pos in molecules]
     return max(sum(pairs[m] for m in pack) for pack in packs)
 
 
 def tight_batch(max_nodes: int = 64, max_graphs: int = 8, radius: bool = True) -> Batch:
-    packs = greedy_packs(SIZES, max_nodes, max_graphs)
+    packs = plan_packs(SIZES, max_nodes, max_graphs)
     edges = 2 * max_pairs(MOLECULES, packs) + 8 if radius else None
     return molecules_to_batch(MOLECULES, packs, max_nodes, max_graphs, edges, CUTOFF)
 
@@ -190,7 +190,7 @@ def padded_pair(graph: str) -> tuple[Batch, Batch, int, int]:
     and an empty pack), with their pack sizes."""
     sizes = SIZES[:10]
     tight_nodes = max(sum(sizes[:4]), max(sizes))
-    packs = greedy_packs(sizes, tight_nodes, 4)
+    packs = plan_packs(sizes, tight_nodes, 4)
     radius = graph == "radius"
     pairs = 2 * max_pairs(MOLECULES, packs)
     tight = molecules_to_batch(MOLECULES, packs, tight_nodes, 4, pairs if radius else None)
@@ -257,7 +257,7 @@ def tiny_model(graph: str, pair_symmetric: bool = True) -> SchNet:
 def test_gradcheck_tiny_model(graph):
     model = tiny_model(graph)
     small = random_molecules(5, seed=3, sizes=(2, 6))
-    packs = greedy_packs([len(z) for z, _ in small], 8, 3)
+    packs = plan_packs([len(z) for z, _ in small], 8, 3)
     batch = molecules_to_batch(small, [*packs, []], 8, 3, 80 if graph == "radius" else None)
     batch.pos = batch.pos.double()
     names = ["embedding.weight", "interactions.0.mlp.0.weight", "interactions.1.conv.lin1.weight"]
@@ -317,7 +317,7 @@ def test_padding_edges_are_masked_even_on_a_real_atom():
 @pytest.mark.parametrize(("k", "nodes"), [(5, 40), (12, 40), (30, 40), (50, 40)])
 def test_knn_graph_is_true_nearest_within_molecule(k, nodes):
     molecules = MOLECULES[:12]
-    packs = greedy_packs([len(z) for z, _ in molecules], nodes, 5)
+    packs = plan_packs([len(z) for z, _ in molecules], nodes, 5)
     batch = molecules_to_batch(molecules, [*packs, []], nodes, 5)
     edge_index, dist, mask = knn_graph_packed(
         batch.pos, batch.graph, batch.node_mask, nodes, k, CUTOFF

@@ -33,7 +33,7 @@ from schnet_ipu.backends.torch_backend import TorchBackend
 from schnet_ipu.batch import Batch
 from schnet_ipu.config import BackendConfig
 from schnet_ipu.model import SchNet, masked_mse
-from schnet_ipu.model.benchmark import greedy_packs, molecules_to_batch
+from schnet_ipu.model.benchmark import molecules_to_batch, plan_packs
 
 ELEMENTS = np.array([1, 6, 7, 8, 9])
 
@@ -47,7 +47,7 @@ def synthetic_batch(seed: int, packs: int, max_nodes: int, max_graphs: int) -> B
         z = rng.choice(ELEMENTS, size=size, p=[0.5, 0.35, 0.06, 0.08, 0.01])
         pos = np.cumsum(rng.normal(scale=0.9, size=(size, 3)), axis=0)
         molecules.append((z, pos))
-        assignment = greedy_packs([len(m[0]) for m in molecules], max_nodes, max_graphs)
+        assignment = plan_packs([len(m[0]) for m in molecules], max_nodes, max_graphs)
         if len(assignment) > packs:
             assignment = assignment[:packs]
             break

@@ -21,18 +21,12 @@ import torch
 from torch import Tensor
 
 from schnet_ipu.batch import Batch
+from schnet_ipu.data.graphs import molecule_pairs
+from schnet_ipu.loader import Layout, PackMolecule, collate
 from schnet_ipu.model.schnet import SchNet
+from schnet_ipu.packing import assign_packs, plan_packing
 
 Molecule = tuple[np.ndarray, np.ndarray]  # z [n] (int), pos [n, 3] (Angstrom)
-
-PAD_SPACING = 1000.0  # padding atoms sit this far apart, and this far from the origin
-
-
-def radius_pairs(pos: np.ndarray, cutoff: float) -> np.ndarray:
-    """Unordered pairs (i < j) of one molecule closer than ``cutoff`` -> [2, P] int64."""
-    dist = np.linalg.norm(pos[:, None] - pos[None], axis=-1)
-    i, j = np.nonzero(np.triu(dist <= cutoff, k=1))
-    return np.stack([i, j]).astype(np.int64)
 
 
 def molecules_to_batch(
@@ -44,85 +38,52 @@ def molecules_to_batch(
     cutoff: float = 6.0,
     targets: Sequence[float] | None = None,
 ) -> Batch:
-    """Collate ``packs`` (lists of indices into ``molecules``) into one Batch following the
-    contract of :mod:`schnet_ipu.batch`; radius edges (within ``cutoff``) when ``max_edges``.
-
-    A minimal stand-in for the loader, for tests and the benchmark.
-    """
-    num_packs = len(packs)
-    n, g = num_packs * max_nodes, num_packs * max_graphs
-    z = torch.zeros(n, dtype=torch.int64)
-    pad = torch.arange(n, dtype=torch.float32) * PAD_SPACING + PAD_SPACING
-    pos = torch.stack([pad, torch.zeros(n), torch.zeros(n)], dim=1)
-    graph = torch.full((n,), g, dtype=torch.int64)
-    node_mask = torch.zeros(n, dtype=torch.bool)
-    y = torch.zeros(g)
-    graph_mask = torch.zeros(g, dtype=torch.bool)
-    molecule_index = torch.full((g,), -1, dtype=torch.int64)
-    pairs: list[Tensor] = []
-    for p, members in enumerate(packs):
-        if len(members) > max_graphs:
-            raise ValueError(f"pack {p} holds {len(members)} molecules > max_graphs={max_graphs}")
-        atom = p * max_nodes
-        for slot, m in enumerate(members, start=p * max_graphs):
-            mz, mpos = molecules[m]
-            count = len(mz)
-            if atom + count > (p + 1) * max_nodes:
-                raise ValueError(f"pack {p} overflows max_nodes={max_nodes}")
-            z[atom : atom + count] = torch.as_tensor(np.asarray(mz, dtype=np.int64))
-            pos[atom : atom + count] = torch.as_tensor(np.asarray(mpos, dtype=np.float32))
-            graph[atom : atom + count] = slot
-            node_mask[atom : atom + count] = True
-            graph_mask[slot] = True
-            molecule_index[slot] = m
-            y[slot] = 0.0 if targets is None else float(targets[m])
-            if max_edges is not None:
-                pairs.append(torch.as_tensor(radius_pairs(np.asarray(mpos), cutoff)) + atom)
-            atom += count
-        if max_edges is not None:
-            pack_pairs = sum(x.shape[1] for x in pairs[len(pairs) - len(members) :])
-            if 2 * pack_pairs > max_edges:
-                raise ValueError(f"pack {p} needs {2 * pack_pairs} edges > max_edges={max_edges}")
-    edge_index = edge_mask = None
-    if max_edges is not None:
-        real = torch.cat(pairs, dim=1) if pairs else torch.zeros(2, 0, dtype=torch.int64)
-        half = num_packs * max_edges // 2
-        filler = int(torch.nonzero(~node_mask)[0]) if (~node_mask).any() else 0
-        forward = torch.full((2, half), filler, dtype=torch.int64)
-        forward[:, : real.shape[1]] = real
-        edge_index = torch.cat([forward, forward.flip(0)], dim=1)
-        mask = torch.zeros(half, dtype=torch.bool)
-        mask[: real.shape[1]] = True
-        edge_mask = torch.cat([mask, mask])
-    return Batch(z, pos, graph, node_mask, y, graph_mask, molecule_index, edge_index, edge_mask)
+    """Collate ``packs`` (lists of indices into ``molecules``) with the loader's collate;
+    radius edges (within ``cutoff``) when ``max_edges`` is given. For tests and benchmarks
+    on molecules held in memory."""
+    layout = Layout(len(packs), max_nodes, max_graphs, max_edges)
+    chosen = [
+        [
+            PackMolecule(
+                np.asarray(molecules[m][0]),
+                np.asarray(molecules[m][1], dtype=np.float32),
+                0.0 if targets is None else float(targets[m]),
+                int(m),
+                None if max_edges is None else pair_array(molecules[m][1], cutoff),
+            )
+            for m in pack
+        ]
+        for pack in packs
+    ]
+    return collate(chosen, layout)
 
 
-def greedy_packs(
+def pair_array(pos: np.ndarray, cutoff: float) -> np.ndarray:
+    """Unordered pairs (i < j) of one molecule within ``cutoff`` -> int64 [P, 2]."""
+    i, j = molecule_pairs(torch.as_tensor(np.asarray(pos, dtype=np.float32)), cutoff)
+    return torch.stack([i, j], dim=1).numpy()
+
+
+def plan_packs(
     sizes: Sequence[int],
     max_nodes: int,
     max_graphs: int,
-    pairs: Sequence[int] | None = None,
-    max_edges: int | None = None,
-) -> list[list[int]]:
-    """First fit: each molecule, in order, joins the first pack with room for its atoms (and
-    its ``2 * pairs`` directed edges when ``max_edges`` is given). No optimisation."""
-    packs: list[list[int]] = []
-    used: list[tuple[int, int]] = []
-    for i, size in enumerate(sizes):
-        edges = 0 if max_edges is None else 2 * pairs[i]
-        if size > max_nodes or (max_edges is not None and edges > max_edges):
-            raise ValueError(f"molecule {i} does not fit in one pack")
-        for p, members in enumerate(packs):
-            nodes, taken = used[p]
-            fits = nodes + size <= max_nodes and len(members) < max_graphs
-            if fits and (max_edges is None or taken + edges <= max_edges):
-                members.append(i)
-                used[p] = (nodes + size, taken + edges)
-                break
-        else:
-            packs.append([i])
-            used.append((size, edges))
-    return packs
+    edges: Sequence[int] | None = None,
+    max_edges: int = 0,
+) -> list[np.ndarray]:
+    """Packs of molecule indices from the packing library: LPFHP over atoms, or tuple
+    packing over (atoms, directed ``edges``) when edges are given."""
+    nodes = np.asarray(sizes)
+    edge_counts = None if edges is None else np.asarray(edges)
+    plan = plan_packing(
+        nodes,
+        edge_counts,
+        algorithm="lpfhp" if edges is None else "tuple",
+        max_nodes=max_nodes,
+        max_edges=max_edges,
+        max_graphs=max_graphs,
+    )
+    return assign_packs(plan, nodes, edge_counts, seed=0, epoch=0)
 
 
 def load_molecules(store: str, count: int, seed: int) -> list[Molecule]:
@@ -159,13 +120,12 @@ def run_benchmark(
     cutoff, k = 6.0, 24
     mols = load_molecules(store, molecules, seed)
     sizes = [len(z) for z, _ in mols]
-    pairs = [radius_pairs(np.asarray(pos), cutoff).shape[1] for _, pos in mols]
+    edges = [2 * len(pair_array(pos, cutoff)) for _, pos in mols]
     # edge limit: the pack's share of all edges, so that packs fill up in atoms and edges alike
-    max_edges = 2 * math.ceil(max(max(pairs), sum(pairs) / sum(sizes) * max_nodes * 1.05))
-    knn_batch = molecules_to_batch(
-        mols, greedy_packs(sizes, max_nodes, max_graphs), max_nodes, max_graphs
-    )
-    radius_packs = greedy_packs(sizes, max_nodes, max_graphs, pairs, max_edges)
+    max_edges = 2 * math.ceil(max(max(edges), sum(edges) / sum(sizes) * max_nodes) / 2)
+    knn_packs = plan_packs(sizes, max_nodes, max_graphs)
+    knn_batch = molecules_to_batch(mols, knn_packs, max_nodes, max_graphs)
+    radius_packs = plan_packs(sizes, max_nodes, max_graphs, edges, max_edges)
     radius_batch = molecules_to_batch(mols, radius_packs, max_nodes, max_graphs, max_edges, cutoff)
 
     torch.manual_seed(seed)
