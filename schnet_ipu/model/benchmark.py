@@ -12,7 +12,6 @@ search runs inside the timed forward pass, so the comparison favours PyG.
 from __future__ import annotations
 
 import argparse
-import math
 import time
 from collections.abc import Sequence
 
@@ -120,13 +119,15 @@ def run_benchmark(
     cutoff, k = 6.0, 24
     mols = load_molecules(store, molecules, seed)
     sizes = [len(z) for z, _ in mols]
-    edges = [2 * len(pair_array(pos, cutoff)) for _, pos in mols]
-    # edge limit: the pack's share of all edges, so that packs fill up in atoms and edges alike
-    max_edges = 2 * math.ceil(max(max(edges), sum(edges) / sum(sizes) * max_nodes) / 2)
+    edges = np.array([2 * len(pair_array(pos, cutoff)) for _, pos in mols])
     knn_packs = plan_packs(sizes, max_nodes, max_graphs)
     knn_batch = molecules_to_batch(mols, knn_packs, max_nodes, max_graphs)
-    radius_packs = plan_packs(sizes, max_nodes, max_graphs, edges, max_edges)
-    radius_batch = molecules_to_batch(mols, radius_packs, max_nodes, max_graphs, max_edges, cutoff)
+    # radius graphs: tuple packing with the limits its search picks, as training does
+    plan = plan_packing(np.asarray(sizes), edges, algorithm="tuple", target_efficiency=0.97)
+    radius_packs = assign_packs(plan, np.asarray(sizes), edges, seed=0, epoch=0)
+    radius_batch = molecules_to_batch(
+        mols, radius_packs, plan.max_nodes, plan.max_graphs, plan.max_edges, cutoff
+    )
 
     torch.manual_seed(seed)
     reference = SchNet(**hyper, cutoff=cutoff, graph="knn", k=k, max_nodes_per_pack=max_nodes)
@@ -192,7 +193,8 @@ def run_benchmark(
         "packs": {
             "max_nodes": max_nodes,
             "max_graphs": max_graphs,
-            "max_edges": max_edges,
+            "radius_max_nodes": plan.max_nodes,
+            "radius_max_edges": plan.max_edges,
             "knn_packs": knn_batch.num_nodes // max_nodes,
             "radius_packs": len(radius_packs),
             "node_slots_knn": knn_batch.num_nodes,
@@ -234,7 +236,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         f"{edges['knn']['ours']} edge slots (ours), {edges['knn']['real']} real edges (PyG)"
     )
     print(
-        f"radius 6 A: {packs['radius_packs']} packs, {edges['radius']['ours']} edge slots "
+        f"radius 6 A: {packs['radius_packs']} packs of {packs['radius_max_nodes']} atoms and "
+        f"{packs['radius_max_edges']} edges, {edges['radius']['ours']} edge slots "
         f"(ours), {edges['radius']['real']} real edges (PyG)"
     )
     header = f"{'variant':<32}{'ms/batch':>10}{'min ms':>9}{'molecules/s':>13}"
