@@ -41,12 +41,12 @@ class DataConfig:
 
 @dataclass
 class PackingConfig:
-    algorithm: str = "lpfhp"  # lpfhp | tuple | pad_to_max
+    algorithm: str = "tuple"  # tuple (atoms and edges) | lpfhp (atoms) | pad_to_max
     max_nodes: int = 0  # atoms per pack; 0 = smallest limit reaching target_efficiency
     max_edges: int = 0  # directed edges per pack (radius graphs); 0 = search
     max_graphs: int = 0  # molecules per pack; 0 = derived from the data
     packs_per_batch: int = 8  # B: packs in one micro-batch
-    target_efficiency: float = 0.985  # for the automatic limit search
+    target_efficiency: float = 0.97  # for the automatic limit search
     heuristic: str = "sum"  # tuple packing: sum | product | max | min | nodes | edges
 
 
@@ -64,7 +64,7 @@ class ModelConfig:
     num_interactions: int = 4
     num_gaussians: int = 25
     cutoff: float = 6.0
-    graph: str = "knn"  # knn (on device, per pack) | radius (precomputed edges)
+    graph: str = "radius"  # radius (precomputed edges) | knn (on device, per pack)
     k: int = 24  # neighbours per atom for knn graphs
     readout: str = "sum"  # sum | mean
     pair_symmetric: bool = True  # radius graphs: one filter per unordered pair

@@ -62,8 +62,11 @@ def test_bad_choice_suggests_the_closest():
     [
         (["backend.replicas=0"], r"backend\.replicas must be > 0"),
         (["data.val=0.6", "data.test=0.5"], r"leaves no training data"),
-        (["packing.algorithm=tuple"], r"set model\.graph=radius"),
-        (["model.k=40", "packing.max_nodes=32"], r"lower model\.k or raise packing\.max_nodes"),
+        (["packing.algorithm=tuple", "model.graph=knn"], r"set model\.graph=radius"),
+        (
+            ["model.graph=knn", "packing.algorithm=lpfhp", "model.k=40", "packing.max_nodes=32"],
+            r"lower model\.k or raise packing\.max_nodes",
+        ),
         (["packing.max_edges=301", "model.graph=radius"], r"must be even"),
         (["data.water_sizes=[5, 3]"], r"min <= max"),
     ],
