@@ -6,6 +6,7 @@ larger than the pack limits, or more replicas than the epoch has batches to feed
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from contextlib import contextmanager
@@ -57,6 +58,7 @@ class PreparedData:
         prediction = predict_dressed_atoms(self.counts[index], self.dressed_atoms)
         return prediction - self.targets[index]
 
+    @functools.cached_property
     def residual_std(self) -> float:
         """Spread of the training targets around the dressed-atom baseline (loss scale)."""
         return float(np.std(self.baseline_errors("train"))) or 1.0
@@ -152,9 +154,8 @@ def plan_splits(
     everything = np.concatenate([split[s] for s in SPLITS])
     floor_nodes = int(store.num_atoms[everything].max())
     floor_edges = int(edges[everything].max()) if radius else 0
-    max_nodes = pc.max_nodes or 0
     max_edges = pc.max_edges if radius else 0
-    train = plan("train", max_nodes, max_edges, pc.max_graphs)
+    train = plan("train", pc.max_nodes, max_edges, pc.max_graphs)
     too_small = train.max_nodes < floor_nodes or (radius and train.max_edges < floor_edges)
     if too_small and not pc.max_nodes and not pc.max_edges:
         train = plan(

@@ -95,23 +95,9 @@ def run(cfg: Config) -> None:
 
     if cfg.backend.threads:
         torch.set_num_threads(cfg.backend.threads)
-    torch.manual_seed(cfg.seed)
     np.random.seed(cfg.seed)
     data = prepare_data(cfg)
-    model = build_model(cfg, data)
-    optimizer = make_optimizer(cfg, model, device)
-    loss_fn = functools.partial(standardised_loss, scale=data.residual_std())
-    backend = make_backend(
-        cfg.backend,
-        model,
-        optimizer,
-        loss_fn,
-        cfg.optim.grad_clip,
-        replica,
-        device,
-        seed=cfg.seed,
-        prefetch=cfg.loader.prefetch,
-    )
+    model, optimizer, backend = make_trainer(cfg, data, replica, device)
     pin = device.startswith("cuda")
     # PopTorch replicates inside one process, which then feeds all R replicas per call
     in_call = cfg.backend.replicas // processes_for(cfg.backend, device)
@@ -313,7 +299,7 @@ def evaluate(
 ) -> Metrics:
     """MAE/RMSE over the real molecules of a split (each replica its share, then summed)."""
     sums = torch.zeros(4, dtype=torch.float64)  # |error|, error^2, standardised error^2, count
-    scale = data.residual_std()
+    scale = data.residual_std
     for _, prediction, target in predictions(backend, loader):
         error = prediction - target
         sums += torch.tensor(
@@ -340,9 +326,32 @@ def predictions(backend, loader: PackedLoader):
             )
 
 
+def make_trainer(
+    cfg: Config, data: PreparedData, replica: ReplicaInfo | None = None, device: str = "cpu"
+) -> tuple[SchNet, torch.optim.Optimizer, object]:
+    """Model (initialised from ``cfg.seed``), optimiser and backend with the standardised
+    loss: the trainer's own setup, which the benchmarks reuse."""
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg, data)
+    optimizer = make_optimizer(cfg, model, device)
+    loss_fn = functools.partial(standardised_loss, scale=data.residual_std)
+    backend = make_backend(
+        cfg.backend,
+        model,
+        optimizer,
+        loss_fn,
+        cfg.optim.grad_clip,
+        replica,
+        device,
+        seed=cfg.seed,
+        prefetch=cfg.loader.prefetch,
+    )
+    return model, optimizer, backend
+
+
 def build_model(cfg: Config, data: PreparedData) -> SchNet:
     """SchNet whose atom reference is the dressed-atom fit, scaled to the residual spread."""
-    atom_scale = data.residual_std() / math.sqrt(data.mean_atoms())
+    atom_scale = data.residual_std / math.sqrt(data.mean_atoms())
     return SchNet.from_config(
         cfg.model,
         max_nodes_per_pack=data.train_plan.max_nodes,

@@ -6,7 +6,6 @@ Every suite returns a report dict ``{"suite", "machine", "commit", "results", "r
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
@@ -21,11 +20,11 @@ from typing import Any
 
 import torch
 
-from schnet_ipu.backends import ReplicaInfo, make_backend
+from schnet_ipu import training
+from schnet_ipu.backends import ReplicaInfo
 from schnet_ipu.config import Config, ModelConfig, apply_override, validate
 from schnet_ipu.loader import PackedLoader
 from schnet_ipu.pipeline import PreparedData
-from schnet_ipu.training import build_model, make_optimizer, standardised_loss
 
 QM9_STORE = "data/qm9.h5"
 
@@ -81,12 +80,8 @@ def packs_for(data: PreparedData, molecules_per_batch: int) -> int:
 
 
 def make_trainer(cfg: Config, data: PreparedData, replica: ReplicaInfo | None = None):
-    """The backend training the config's model with the trainer's Adam and loss."""
-    torch.manual_seed(cfg.seed)
-    model = build_model(cfg, data)
-    optimizer = make_optimizer(cfg, model, "cpu")
-    loss_fn = functools.partial(standardised_loss, scale=data.residual_std())
-    return make_backend(cfg.backend, model, optimizer, loss_fn, cfg.optim.grad_clip, replica)
+    """The backend of the trainer's own setup (model, fused Adam, standardised loss)."""
+    return training.make_trainer(cfg, data, replica)[2]
 
 
 def host_calls(loader: PackedLoader) -> Iterator[list]:

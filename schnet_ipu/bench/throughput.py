@@ -102,7 +102,7 @@ def pyg(data: PreparedData, size: ModelConfig, batch_size: int = 32) -> Callable
         interaction_graph=RadiusInteractionGraph(size.cutoff),
     )
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    scale = data.residual_std()
+    scale = data.residual_std
 
     def batches():
         while True:
