@@ -160,6 +160,23 @@ def test_lazy_open_and_cache(qm9_store):
     uncached.molecule(7)
     uncached.molecule(7)
     assert (uncached.cache_hits, uncached.cache_misses) == (0, 2)
+    # the miss cached the whole chunk: its neighbours are hits, with the same atoms
+    for i in (6, 8):
+        for cached, read in zip(store.molecule(i), uncached.molecule(i), strict=True):
+            np.testing.assert_array_equal(cached, read)
+    assert (store.cache_hits, store.cache_misses) == (3, 1)
+
+
+def test_block_cache_covers_every_molecule(qm9_store):
+    """Reading all molecules in a shuffled order through chunk blocks gives exactly the
+    uncached molecules, with far fewer file reads than molecules."""
+    store, uncached = MoleculeStore(qm9_store), MoleculeStore(qm9_store, cache=False)
+    for i in np.random.default_rng(0).permutation(len(store)).tolist():
+        z, pos = store.molecule(i)
+        z_ref, pos_ref = uncached.molecule(i)
+        np.testing.assert_array_equal(z, z_ref)
+        np.testing.assert_array_equal(pos, pos_ref)
+    assert store.cache_misses < len(store) / 4
     with pytest.raises(IndexError):
         store.molecule(len(store))
 
