@@ -21,11 +21,12 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from schnet_ipu.batch import Batch
 from schnet_ipu.data import MoleculeStore
-from schnet_ipu.data.graphs import molecule_pairs
+from schnet_ipu.data.graphs import within_cutoff
 from schnet_ipu.packing import PackPlan, assign_packs
 
 PADDING_SPACING = 100.0  # Angstrom between padding atoms; far beyond any cutoff
@@ -41,24 +42,34 @@ class Layout:
     """How micro-batches are shaped and shared out.
 
     Shapes of every batch: N = packs_per_batch * max_nodes atoms, G = packs_per_batch *
-    max_graphs slots, E = packs_per_batch * max_edges edges (radius graphs only).
+    max_graphs slots, E = packs_per_batch * max_edges edges (radius graphs only, whose
+    pairs within ``cutoff`` the collate finds).
     """
 
     packs_per_batch: int
     max_nodes: int
     max_graphs: int
-    max_edges: int | None  # directed edges per pack; None for knn graphs
+    max_edges: int | None = None  # directed edges per pack; None for knn graphs
+    cutoff: float | None = None  # Angstrom; radius graphs (with max_edges) only
     micro_per_call: int = 1  # device_iterations x gradient_accumulation
     replicas: int = 1
     replica: int = 0
 
+    def __post_init__(self) -> None:
+        if (self.max_edges is None) != (self.cutoff is None):
+            raise ValueError("a radius-graph layout needs both max_edges and cutoff, knn neither")
+
     @classmethod
-    def from_plan(cls, plan: PackPlan, packs_per_batch: int, radius: bool, **share) -> Layout:
+    def from_plan(
+        cls, plan: PackPlan, packs_per_batch: int, cutoff: float | None, **share
+    ) -> Layout:
+        """Shapes of ``plan``; ``cutoff`` for radius graphs, None for knn graphs."""
         return cls(
             packs_per_batch=packs_per_batch,
             max_nodes=plan.max_nodes,
             max_graphs=plan.max_graphs,
-            max_edges=plan.max_edges if radius else None,
+            max_edges=None if cutoff is None else plan.max_edges,
+            cutoff=cutoff,
             **share,
         )
 
@@ -71,8 +82,7 @@ class PackedDataset(Dataset):
         indices: int64 [M] store indices of the molecules of this split.
         targets: float64 [len(store)] regression target of every store molecule.
         plan: the packing plan for this split (from the node/edge counts of ``indices``).
-        layout: batch shapes and this replica's share.
-        cutoff: radius-graph cutoff in Angstrom (used only when ``layout.max_edges``).
+        layout: batch shapes (and radius cutoff) and this replica's share.
         seed: the run seed; packs are re-drawn from (seed, epoch).
         edge_counts: int64 [M] directed edges per molecule of ``indices`` (radius graphs).
         shuffle: re-draw pack contents per epoch (False: the same packs every epoch).
@@ -85,7 +95,6 @@ class PackedDataset(Dataset):
         targets: np.ndarray,
         plan: PackPlan,
         layout: Layout,
-        cutoff: float,
         seed: int,
         edge_counts: np.ndarray | None = None,
         shuffle: bool = True,
@@ -97,12 +106,10 @@ class PackedDataset(Dataset):
         self.targets = targets
         self.plan = plan
         self.layout = layout
-        self.cutoff = cutoff
         self.seed = seed
         self.shuffle = shuffle
         self._packs_epoch: int | None = None
         self._packs: list[np.ndarray] = []
-        self._pairs: dict[int, np.ndarray] = {}  # store index -> int16 [P, 2] local pairs
 
     # --- sizes -----------------------------------------------------------------------------
 
@@ -142,14 +149,12 @@ class PackedDataset(Dataset):
 
     def collate(self, packs: list[np.ndarray]) -> Batch:
         """B packs of store indices (fewer at the epoch's tail) -> one fixed-shape Batch."""
-        radius = self.layout.max_edges is not None
         molecules = []
         for pack in packs:
             members = []
             for index in pack.tolist():
                 z, pos = self._read(index)
-                pairs = self._molecule_pairs(index, pos) if radius else None
-                members.append(PackMolecule(z, pos, float(self.targets[index]), index, pairs))
+                members.append(PackMolecule(z, pos, float(self.targets[index]), index))
             molecules.append(members)
         return collate(molecules, self.layout)
 
@@ -161,12 +166,6 @@ class PackedDataset(Dataset):
                 f"cannot read molecule {index} from {self.store.path}: {err}"
             ) from err
 
-    def _molecule_pairs(self, index: int, pos: np.ndarray) -> np.ndarray:
-        if index not in self._pairs:
-            i, j = molecule_pairs(torch.from_numpy(pos), self.cutoff)
-            self._pairs[index] = torch.stack([i, j], dim=1).numpy().astype(np.int16)
-        return self._pairs[index]
-
 
 class PackMolecule(NamedTuple):
     """One molecule as the collate needs it."""
@@ -175,7 +174,6 @@ class PackMolecule(NamedTuple):
     pos: np.ndarray  # [n, 3] float32 positions in Angstrom
     y: float  # target
     index: int  # index in the store (-1 allowed for molecules from elsewhere)
-    pairs: np.ndarray | None  # [P, 2] local pairs (i < j) within the cutoff; radius graphs
 
 
 def collate(packs: Sequence[Sequence[PackMolecule]], layout: Layout) -> Batch:
@@ -193,12 +191,10 @@ def collate(packs: Sequence[Sequence[PackMolecule]], layout: Layout) -> Batch:
     y = np.zeros(g_total, dtype=np.float32)
     molecule_index = np.full(g_total, -1, dtype=np.int64)
     graph_mask = np.zeros(g_total, dtype=bool)
-    pairs: list[np.ndarray] = []
     if len(packs) > lay.packs_per_batch:
         raise LoaderError(f"{len(packs)} packs for a batch of {lay.packs_per_batch}")
     for p, pack in enumerate(packs):
         node = p * lay.max_nodes
-        pack_pairs = 0
         if len(pack) > lay.max_graphs:
             raise LoaderError(f"pack {p} holds {len(pack)} molecules > {lay.max_graphs}")
         for slot, molecule in enumerate(pack):
@@ -212,12 +208,7 @@ def collate(packs: Sequence[Sequence[PackMolecule]], layout: Layout) -> Batch:
             y[g] = molecule.y
             molecule_index[g] = molecule.index
             graph_mask[g] = True
-            if lay.max_edges is not None:
-                pairs.append(molecule.pairs.astype(np.int64) + node)
-                pack_pairs += len(molecule.pairs)
             node += n
-        if lay.max_edges is not None and 2 * pack_pairs > lay.max_edges:
-            raise LoaderError(f"pack {p} holds {2 * pack_pairs} edges > {lay.max_edges}")
 
     node_mask = graph < g_total
     padding = np.flatnonzero(~node_mask)
@@ -233,28 +224,38 @@ def collate(packs: Sequence[Sequence[PackMolecule]], layout: Layout) -> Batch:
     )
     if lay.max_edges is not None:
         filler = int(padding[0]) if len(padding) else 0
-        batch.edge_index, batch.edge_mask = _edge_halves(
-            pairs, lay.packs_per_batch * lay.max_edges // 2, filler
-        )
+        batch.edge_index, batch.edge_mask = radius_pair_edges(batch, lay, filler)
     return batch
 
 
-def _edge_halves(
-    pairs: list[np.ndarray], half: int, filler: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward pairs padded to ``half`` with (filler, filler), then the same pairs reversed.
+def radius_pair_edges(batch: Batch, layout: Layout, filler: int) -> tuple[Tensor, Tensor]:
+    """The radius graph of a collated batch, searched pack by pack in one vectorised pass.
 
-    Returns edge_index int64 [2, 2 * half] and edge_mask bool [2 * half].
+    Pairs i < j of the same molecule within ``layout.cutoff`` come from each pack's [M, M]
+    distance block, with the arithmetic of :func:`~schnet_ipu.data.graphs.edge_counts` (so
+    they match the counts the packer planned with), in row-major order: pack, then i, then j.
+    Returns edge_index int64 [2, E] (forward pairs padded to E / 2 with ``(filler, filler)``,
+    then the same pairs reversed) and edge_mask bool [E]. Raises LoaderError when a pack holds
+    more than ``layout.max_edges`` directed edges.
     """
-    forward = np.full((half, 2), filler, dtype=np.int64)
-    real = np.concatenate(pairs) if pairs else np.zeros((0, 2), dtype=np.int64)
-    forward[: len(real)] = real
-    mask = np.zeros(half, dtype=bool)
-    mask[: len(real)] = True
-    edge_index = np.concatenate([forward.T, forward.T[::-1]], axis=1)
-    return torch.from_numpy(np.ascontiguousarray(edge_index)), torch.from_numpy(
-        np.concatenate([mask, mask])
-    )
+    packs, size = layout.packs_per_batch, layout.max_nodes
+    graph = batch.graph.view(packs, size)
+    real = batch.node_mask.view(packs, size)
+    keep = within_cutoff(batch.pos.view(packs, size, 3), layout.cutoff).triu_(1)
+    keep &= graph.unsqueeze(2) == graph.unsqueeze(1)  # same molecule, hence j real if i is
+    keep &= real.unsqueeze(2)
+    pack, i, j = keep.nonzero(as_tuple=True)
+    per_pack = 2 * torch.bincount(pack, minlength=packs)
+    if (per_pack > layout.max_edges).any():
+        p = int(per_pack.argmax())
+        raise LoaderError(f"pack {p} holds {int(per_pack[p])} edges > {layout.max_edges}")
+    half = packs * layout.max_edges // 2
+    forward = torch.full((2, half), filler, dtype=torch.int64)
+    forward[0, : len(i)] = pack * size + i
+    forward[1, : len(i)] = pack * size + j
+    mask = torch.zeros(half, dtype=torch.bool)
+    mask[: len(i)] = True
+    return torch.cat([forward, forward.flip(0)], dim=1), torch.cat([mask, mask])
 
 
 class EpochSampler(Sampler):

@@ -194,7 +194,7 @@ def make_loader(
     layout = Layout.from_plan(
         data.train_plan,
         cfg.packing.packs_per_batch,
-        radius=cfg.model.graph == "radius",
+        cutoff=cfg.model.cutoff if cfg.model.graph == "radius" else None,
         micro_per_call=micro,
         replicas=replicas,
         replica=replica,
@@ -206,7 +206,6 @@ def make_loader(
         data.targets,
         plan,
         layout,
-        cutoff=cfg.model.cutoff,
         seed=cfg.seed,
         edge_counts=None if data.edge_counts is None else data.edge_counts[index],
         shuffle=training,

@@ -33,13 +33,13 @@ def make_dataset(store, radius=False, replicas=1, replica=0, micro=1, indices=No
     layout = Layout.from_plan(
         plan,
         packs_per_batch=4,
-        radius=radius,
+        cutoff=CUTOFF if radius else None,
         micro_per_call=micro,
         replicas=replicas,
         replica=replica,
     )
     targets = store.target("U0") if targets is None else targets
-    return PackedDataset(store, indices, targets, plan, layout, CUTOFF, seed=7, edge_counts=edges)
+    return PackedDataset(store, indices, targets, plan, layout, seed=7, edge_counts=edges)
 
 
 def epoch_batches(loader: PackedLoader, epoch: int) -> list:

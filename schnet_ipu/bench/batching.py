@@ -36,7 +36,12 @@ Shape = tuple[int, int, int]  # atoms, directed edges, molecule slots per batch
 
 
 def epoch_batches(
-    algorithm: str, nodes: np.ndarray, edges: np.ndarray, batch: int, seed: int = 0
+    algorithm: str,
+    nodes: np.ndarray,
+    edges: np.ndarray,
+    batch: int,
+    cutoff: float,
+    seed: int = 0,
 ) -> tuple[list[tuple[list[np.ndarray], Layout]], float, float | None]:
     """One epoch of ``algorithm`` at about ``batch`` molecules per batch.
 
@@ -46,7 +51,7 @@ def epoch_batches(
     if algorithm in BASELINES:
         result = run_baseline(algorithm, nodes, edges, batch, seed)
         batches = [
-            ([b], Layout(1, shape[0], shape[2], shape[1]))
+            ([b], Layout(1, shape[0], shape[2], shape[1], cutoff))
             for b, shape in zip(result.batches, result.shapes, strict=True)
         ]
         return batches, result.node_efficiency, result.edge_efficiency
@@ -54,7 +59,7 @@ def epoch_batches(
     packs = assign_packs(plan, nodes, edges if algorithm != "lpfhp" else None, seed, 0)
     per_batch = max(1, round(batch * plan.num_packs / len(nodes)))
     max_edges = plan.max_edges or even_max(edges, packs)
-    layout = Layout(per_batch, plan.max_nodes, plan.max_graphs, max_edges)
+    layout = Layout(per_batch, plan.max_nodes, plan.max_graphs, max_edges, cutoff)
     batches = [(packs[i : i + per_batch], layout) for i in range(0, len(packs), per_batch)]
     edge_eff = edges.sum() / (len(packs) * max_edges)
     return batches, plan.node_efficiency, float(edge_eff)
@@ -105,7 +110,9 @@ def bench_dataset(
     rows, probes = [], []  # probes: (row, shape, batch)
     for batch_size in batch_sizes:
         for algorithm in (*PACKERS, *BASELINES):
-            batches, node_eff, edge_eff = epoch_batches(algorithm, nodes, edges, batch_size)
+            batches, node_eff, edge_eff = epoch_batches(
+                algorithm, nodes, edges, batch_size, size.cutoff
+            )
             shapes = Counter(shape_of(layout) for _, layout in batches)
             row = {
                 "label": f"{name}/{algorithm}/{batch_size}",
@@ -124,7 +131,7 @@ def bench_dataset(
                 shape = shape_of(layout)
                 if shape in wanted:
                     wanted.discard(shape)
-                    dataset = PackedDataset(store, index, targets, any_plan, layout, size.cutoff, 0)
+                    dataset = PackedDataset(store, index, targets, any_plan, layout, 0)
                     probes.append((row, shape, dataset.collate([index[p] for p in packs])))
     times: list[list[float]] = [[] for _ in probes]
     for round_ in range(repeats + 1):  # round 0 warms up

@@ -18,6 +18,9 @@ from .store import MoleculeStore
 
 log = logging.getLogger(__name__)
 
+# Bumped when within_cutoff's arithmetic changes: cached counts must match the loader's edges.
+EDGE_COUNT_VERSION = 2
+
 # Largest distance block (molecules x n x n) evaluated at once in edge_counts.
 _BLOCK_ELEMENTS = 1 << 21
 
@@ -87,6 +90,20 @@ def molecule_pairs(pos: Tensor | np.ndarray, cutoff: float) -> tuple[Tensor, Ten
     return i[keep], j[keep]
 
 
+def within_cutoff(block: Tensor, cutoff: float) -> Tensor:
+    """bool [B, n, n]: atoms a, b of block [B, n, 3] are within ``cutoff`` (a == b included).
+
+    The one distance test behind the packer's edge counts and the loader's radius graphs, so
+    a pack never holds more edges than it was planned with. Squared distances are summed
+    x, y, z in that order by elementwise ops, so a pair gets the same bits in any block.
+    """
+    x, y, z = block.unbind(-1)
+    square = (x.unsqueeze(2) - x.unsqueeze(1)).square_()
+    square += (y.unsqueeze(2) - y.unsqueeze(1)).square_()
+    square += (z.unsqueeze(2) - z.unsqueeze(1)).square_()
+    return square <= cutoff * cutoff
+
+
 def edge_counts(store: MoleculeStore | str | Path, cutoff: float) -> np.ndarray:
     """Directed radius edges per molecule, int64 [M], cached beside the store.
 
@@ -99,7 +116,11 @@ def edge_counts(store: MoleculeStore | str | Path, cutoff: float) -> np.ndarray:
     stamp = str(store.attrs.get("created", ""))
     if cache.is_file():
         with np.load(cache) as saved:
-            if str(saved["created"]) == stamp and len(saved["counts"]) == len(store):
+            if (
+                str(saved["created"]) == stamp
+                and int(saved.get("version", 1)) == EDGE_COUNT_VERSION
+                and len(saved["counts"]) == len(store)
+            ):
                 return saved["counts"]
     start = time.perf_counter()
     _, pos = store.concatenated()
@@ -113,11 +134,9 @@ def edge_counts(store: MoleculeStore | str | Path, cutoff: float) -> np.ndarray:
             chunk = members[lo : lo + step]
             atoms = store.offsets[chunk][:, None] + np.arange(n)
             block = pos_t[torch.from_numpy(atoms)]  # [m, n, 3]
-            # Same arithmetic as radius_edges, so counts match its edges exactly.
-            within = (block[:, :, None] - block[:, None]).norm(dim=-1) <= cutoff
-            counts[chunk] = within.sum(dim=(1, 2)).numpy() - n
+            counts[chunk] = within_cutoff(block, cutoff).sum(dim=(1, 2)).numpy() - n
     tmp = cache.with_name(f".{cache.name}.tmp.npz")
-    np.savez(tmp, counts=counts, cutoff=cutoff, created=stamp)
+    np.savez(tmp, counts=counts, cutoff=cutoff, created=stamp, version=EDGE_COUNT_VERSION)
     tmp.replace(cache)
     log.info(
         "edge counts (cutoff %g) in %.1f s, cached at %s",

@@ -40,7 +40,9 @@ def molecules_to_batch(
     """Collate ``packs`` (lists of indices into ``molecules``) with the loader's collate;
     radius edges (within ``cutoff``) when ``max_edges`` is given. For tests and benchmarks
     on molecules held in memory."""
-    layout = Layout(len(packs), max_nodes, max_graphs, max_edges)
+    layout = Layout(
+        len(packs), max_nodes, max_graphs, max_edges, None if max_edges is None else cutoff
+    )
     chosen = [
         [
             PackMolecule(
@@ -48,7 +50,6 @@ def molecules_to_batch(
                 np.asarray(molecules[m][1], dtype=np.float32),
                 0.0 if targets is None else float(targets[m]),
                 int(m),
-                None if max_edges is None else pair_array(molecules[m][1], cutoff),
             )
             for m in pack
         ]
