@@ -46,7 +46,10 @@ def test_throughput(store: Path, tmp_path: Path) -> None:
     loaded = check_report(report, "throughput", tmp_path, throughput)
     names = {r["name"] for r in loaded["results"]}
     assert {"packed radius+tuple", "packed knn+lpfhp", "stock PyG SchNet"} <= names
-    for key in ("packed_vs_pyg", "packed_vs_padded"):
+    replicated = next(r for r in loaded["results"] if r["name"] == "packed radius+tuple 2 replicas")
+    assert replicated["replicas"] == 2 and replicated["molecules_per_s"] > 0
+    assert loaded["ratios"]["best_single_process"] != "packed radius+tuple 2 replicas"
+    for key in ("packed_vs_pyg", "single_process_vs_pyg", "packed_vs_padded"):
         assert loaded["ratios"][key] > 0
 
 

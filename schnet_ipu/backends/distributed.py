@@ -142,8 +142,17 @@ def launch_replicas(fn: Callable[..., Any], replicas: int, *args: Any) -> None:
     if replicas == 1:
         fn(0, *args)
         return
+    context = spawn_replicas(fn, replicas, *args)
+    while not context.join():
+        pass
+
+
+def spawn_replicas(fn: Callable[..., Any], replicas: int, *args: Any) -> mp.ProcessContext:
+    """Start ``fn(rank, *args)`` in ``replicas`` new processes (rendezvous on a free local
+    port, 1/R of the host's threads each) and return at once; ``context.join()`` waits and
+    raises a child's error."""
     port = free_port()
-    mp.spawn(_replica_main, args=(fn, replicas, port, args), nprocs=replicas, join=True)
+    return mp.spawn(_replica_main, args=(fn, replicas, port, args), nprocs=replicas, join=False)
 
 
 def _replica_main(

@@ -74,7 +74,7 @@ def molecules_per_pack(data: PreparedData) -> float:
     return len(data.split["train"]) / data.train_plan.num_packs
 
 
-def packs_for(data: PreparedData, molecules_per_batch: int) -> int:
+def packs_for(data: PreparedData, molecules_per_batch: float) -> int:
     """Packs per batch giving about ``molecules_per_batch`` molecules per step."""
     return max(1, round(molecules_per_batch / molecules_per_pack(data)))
 
