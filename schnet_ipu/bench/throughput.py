@@ -8,6 +8,7 @@ PyG runs ``torch_geometric.nn.models.SchNet`` on a ``torch_geometric.loader.Data
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -118,8 +119,10 @@ class ReplicatedStep:
         return sum(self._receive(conn) for conn in self.conns)
 
     def close(self) -> None:
+        """Stop the replicas; re-raises a replica's error."""
         for conn in self.conns:
-            conn.send("stop")
+            with contextlib.suppress(OSError):  # a replica that is gone: join reports why
+                conn.send("stop")
         while not self.context.join():
             pass
 
@@ -206,11 +209,11 @@ def run_throughput(
     fastest padded run. ``compile`` adds radius+tuple and its pad-to-max twin compiled with
     ``torch.compile`` (compilation happens in the excluded warm-up; stock PyG stays eager).
     ``replicas`` > 1 adds radius+tuple (compiled with ``compile``) as that many data-parallel
-    replica processes
-    sharing the host's cores, with about ``batch_molecules`` molecules per optimiser step
-    over all of them (:class:`ReplicatedStep`). ``packed_vs_pyg`` uses the fastest packed
-    variant; ``single_process_vs_pyg`` the fastest one in one process, like stock PyG; and
-    ``packed_vs_padded`` compares single-process runs, so it measures the batching alone.
+    replica processes sharing the host's cores, with about ``batch_molecules`` molecules per
+    optimiser step over all of them (:class:`ReplicatedStep`). ``packed_vs_pyg`` uses the
+    fastest packed variant; ``single_process_vs_pyg`` the fastest one in one process, like
+    stock PyG; and ``packed_vs_padded`` compares single-process runs, so it measures the
+    batching alone.
     """
     size = size or ModelConfig()
     timing = timing or Timing(warmup=5, steps=10, repeats=10)

@@ -83,11 +83,10 @@ def knn_edges(pos: Tensor, k: int, cutoff: float, batch: Tensor | None = None) -
 
 
 def molecule_pairs(pos: Tensor | np.ndarray, cutoff: float) -> tuple[Tensor, Tensor]:
-    """Unordered pairs of one molecule within ``cutoff``: int64 (i [P], j [P]) with i < j."""
+    """Unordered pairs of one molecule within ``cutoff``: int64 (i [P], j [P]) with i < j,
+    row-major; by :func:`within_cutoff`, so they are the pairs the loader finds."""
     pos = torch.as_tensor(pos)
-    i, j = torch.triu_indices(pos.shape[0], pos.shape[0], offset=1)
-    keep = (pos[i] - pos[j]).norm(dim=-1) <= cutoff
-    return i[keep], j[keep]
+    return within_cutoff(pos.unsqueeze(0), cutoff)[0].triu_(1).nonzero(as_tuple=True)
 
 
 def within_cutoff(block: Tensor, cutoff: float) -> Tensor:
