@@ -227,16 +227,19 @@ def run_throughput(
             ("packed radius+tuple" + COMPILED, "radius", "tuple", True),
             ("pad_to_max radius" + COMPILED, "radius", "pad_to_max", True),
         ]
-    radius_tuple = ["model.graph=radius", "packing.algorithm=tuple", "model.pair_symmetric=true"]
-    for name, graph, packing, compiled in variants:
-        overrides = [
+
+    def overrides(graph: str, packing: str, compiled: bool) -> list[str]:
+        return [
             f"model.graph={graph}",
             f"packing.algorithm={packing}",
             "model.pair_symmetric=true",
             f"loader.workers={workers}",
             f"backend.compile={compiled}",
         ]
-        row, data, steps[name] = ours(store, sample, size, overrides, batch_molecules)
+
+    for name, graph, packing, compiled in variants:
+        setup = overrides(graph, packing, compiled)
+        row, data, steps[name] = ours(store, sample, size, setup, batch_molecules)
         results[name] = {"name": name, "graph": graph, "packing": packing, **row}
     steps[PYG] = pyg(data, size, batch_molecules)
     results[PYG] = {"name": PYG, "graph": f"radius ({RADIUS_BUILDER})",
@@ -245,8 +248,8 @@ def run_throughput(
     replicated = None
     if replicas > 1:
         name = f"packed radius+tuple {replicas} replicas" + (COMPILED if compile else "")
-        overrides = [*radius_tuple, f"loader.workers={workers}", f"backend.compile={compile}"]
-        replicated = ReplicatedStep(replicas, store, sample, size, overrides, batch_molecules)
+        setup = overrides("radius", "tuple", compile)
+        replicated = ReplicatedStep(replicas, store, sample, size, setup, batch_molecules)
         steps[name] = replicated
         results[name] = {"name": name, "graph": "radius", "packing": "tuple", **replicated.row}
     try:
