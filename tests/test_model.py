@@ -21,6 +21,7 @@ from schnet_ipu.model.benchmark import (
     plan_packs,
 )
 from schnet_ipu.model.ops import (
+    _ShiftedSoftplusFused,
     knn_graph_packed,
     naive_shifted_softplus,
     pair_symmetric_conv,
@@ -162,6 +163,21 @@ def test_stable_softplus_matches_reference():
         torch.testing.assert_close(grad, torch.sigmoid(x.detach()))
     x = torch.randn(20, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(shifted_softplus, (x * 10,))
+
+
+def test_compiled_softplus_polynomial_matches_reference():
+    """The form used under torch.compile (log1p as a polynomial in exp(-|x|), the slope kept
+    for the backward pass) agrees with float64 softplus and sigmoid to float32 rounding."""
+    x = torch.linspace(-40, 40, 200001).requires_grad_(True)
+    exact = x.detach().double()
+    compiled = torch.compile(shifted_softplus, backend="eager", fullgraph=True)
+    for fn in (_ShiftedSoftplusFused.apply, compiled):
+        y = fn(x)
+        (grad,) = torch.autograd.grad(y.sum(), x)
+        value_error = (y.double() - (F.softplus(exact) - math.log(2.0))).abs()
+        assert (value_error <= 2e-7 * exact.abs().clamp(min=1.0)).all()
+        assert (grad.double() - torch.sigmoid(exact)).abs().max() < 1e-7
+    assert torch.isfinite(_ShiftedSoftplusFused.apply(torch.tensor([-1e30, 1e30]))).all()
 
 
 def test_stable_softplus_finite_where_naive_overflows():
