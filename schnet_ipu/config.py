@@ -91,6 +91,7 @@ class BackendConfig:
     device_iterations: int = 1  # optimiser steps per host call
     gradient_accumulation: int = 1  # micro-batches per optimiser step
     merge_allreduce: bool = True  # one all-reduce over a flat buffer per step
+    shared_memory_allreduce: bool = True  # CPU replicas spawned on one host: no gloo
     compile: bool = False  # torch.compile the step for the fixed batch signature
     threads: int = 0  # CPU threads per training process; 0 = torch's default
     dist_backend: str = "auto"  # auto (gloo on cpu, nccl on cuda) | gloo | nccl

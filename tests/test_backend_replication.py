@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 from test_backend import TinyModel, make_batch
 from test_backend import masked_mse as tiny_loss
@@ -24,18 +25,20 @@ from schnet_ipu.backends import (
     launch_replicas,
     processes_for,
 )
-from schnet_ipu.backends.distributed import shutdown_replica
+from schnet_ipu.backends.distributed import shared_memory_reduction, shutdown_replica
+from schnet_ipu.backends.shared_memory import SHARED_DIR
 from schnet_ipu.batch import Batch
 from schnet_ipu.config import BackendConfig
 from schnet_ipu.model import SchNet, masked_mse
 
 CALLS, STEPS, ACCUM = 1, 2, 2  # train_calls, device iterations, gradient accumulation
 CLIP = 0.2  # small enough to be active, so clipping before the reduction would show
-SCENARIOS = {  # name -> (model, merge_allreduce, grad_clip, replica counts)
-    "tiny-merged": ("tiny", True, 0.0, (2, 4)),
-    "tiny-per-parameter": ("tiny", False, 0.0, (2, 4)),
-    "tiny-merged-clipped": ("tiny", True, CLIP, (2, 4)),
-    "schnet-merged-clipped": ("schnet", True, CLIP, (2,)),
+SCENARIOS = {  # name -> (model, merge_allreduce, shared_memory_allreduce, grad_clip, replicas)
+    "tiny-merged": ("tiny", True, True, 0.0, (2, 4)),
+    "tiny-merged-gloo": ("tiny", True, False, 0.0, (2, 4)),
+    "tiny-per-parameter": ("tiny", False, False, 0.0, (2, 4)),
+    "tiny-merged-clipped": ("tiny", True, True, CLIP, (2, 4)),
+    "schnet-merged-clipped": ("schnet", True, True, CLIP, (2,)),
 }
 
 
@@ -60,7 +63,7 @@ def replica_worker(rank: int, world: int, out_dir: Path) -> None:
     replica = init_replica(BackendConfig(device="cpu", replicas=world), "cpu")
     assert replica == ReplicaInfo(rank, world, rank)
     results = {}
-    for name, (kind, merge, clip, worlds) in SCENARIOS.items():
+    for name, (kind, merge, shared, clip, worlds) in SCENARIOS.items():
         if world not in worlds:
             continue
         model = build_model(kind, seed=rank)  # differs per rank until the broadcast
@@ -71,6 +74,7 @@ def replica_worker(rank: int, world: int, out_dir: Path) -> None:
             device_iterations=STEPS,
             gradient_accumulation=ACCUM,
             merge_allreduce=merge,
+            shared_memory_allreduce=shared,
             grad_clip=clip,
             replica=replica,
         )
@@ -101,7 +105,7 @@ def reference(kind: str, world: int, clip: float) -> nn.Module:
 def test_replicas_match_one_process(world: int, tmp_path: Path) -> None:
     launch_replicas(replica_worker, world, world, tmp_path)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
-    for name, (kind, merge, clip, worlds) in SCENARIOS.items():
+    for name, (kind, merge, _, clip, worlds) in SCENARIOS.items():
         if world not in worlds:
             continue
         want = reference(kind, world, clip).state_dict()
@@ -116,6 +120,40 @@ def test_replicas_match_one_process(world: int, tmp_path: Path) -> None:
         assert len(records) == CALLS * STEPS
         assert {r["collectives"] for r in records} == {expected}, name
         assert all(r["molecules"] == ACCUM * 4 for r in records)
+
+
+def reduction_worker(rank: int, world: int, out_dir: Path) -> None:
+    """Sum random buffers over the replicas both through shared memory and with gloo."""
+    replica = init_replica(BackendConfig(device="cpu", replicas=world), "cpu")
+    shared = shared_memory_reduction(replica)
+    assert shared is not None
+    sums = []
+    for call in range(3):  # both sets of rows, then the first again
+        flat = torch.randn(1000, generator=torch.Generator().manual_seed(10 * rank + call))
+        expected = flat.clone()
+        dist.all_reduce(expected)
+        shared.sum_(flat)
+        sums.append((flat, expected))
+    with pytest.raises(ValueError, match="gradient size changed"):
+        shared.sum_(torch.zeros(10))
+    torch.save(sums, out_dir / f"sums{rank}.pt")
+    shutdown_replica()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_shared_memory_sum_equals_gloo_all_reduce(world: int, tmp_path: Path) -> None:
+    before = set(Path(SHARED_DIR).glob("schnet-ipu-grads-*"))
+    launch_replicas(reduction_worker, world, world, tmp_path)
+    ranks = [torch.load(tmp_path / f"sums{r}.pt") for r in range(world)]
+    for call, (flat, expected) in enumerate(ranks[0]):
+        torch.testing.assert_close(flat, expected, msg=f"call {call}")
+        for rank in range(1, world):  # every replica holds the very same sum
+            assert torch.equal(ranks[rank][call][0], flat), f"call {call} rank {rank}"
+    assert set(Path(SHARED_DIR).glob("schnet-ipu-grads-*")) == before, "shared file left over"
+
+
+def test_no_shared_memory_reduction_outside_spawned_replicas() -> None:
+    assert shared_memory_reduction(ReplicaInfo(0, 2, 0)) is None
 
 
 def failing_worker(rank: int) -> None:

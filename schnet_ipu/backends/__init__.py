@@ -118,6 +118,7 @@ def make_backend(
         device_iterations=backend_cfg.device_iterations,
         gradient_accumulation=backend_cfg.gradient_accumulation,
         merge_allreduce=backend_cfg.merge_allreduce,
+        shared_memory_allreduce=backend_cfg.shared_memory_allreduce,
         compile=backend_cfg.compile,
         grad_clip=grad_clip,
         replica=replica,

@@ -11,6 +11,8 @@ A replica is one process. Three ways to get R of them:
 
 Gradient reduction is a mean over replicas (sum, then divide by R), PopTorch's default. With
 ``merge_allreduce`` all gradients travel in one flat buffer: one collective per optimiser step.
+CPU replicas that ``launch_replicas`` spawned on this host sum that buffer through shared
+memory (:mod:`~schnet_ipu.backends.shared_memory`) instead of a gloo all-reduce.
 """
 
 from __future__ import annotations
@@ -27,9 +29,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import Tensor, nn
 
+from schnet_ipu.backends.shared_memory import SharedMemoryReduction
 from schnet_ipu.config import BackendConfig
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+_spawn_barrier = None  # the barrier of the replicas spawned together with this process
 
 
 @dataclass(frozen=True)
@@ -152,12 +156,19 @@ def spawn_replicas(fn: Callable[..., Any], replicas: int, *args: Any) -> mp.Proc
     port, 1/R of the host's threads each) and return at once; ``context.join()`` waits and
     raises a child's error."""
     port = free_port()
-    return mp.spawn(_replica_main, args=(fn, replicas, port, args), nprocs=replicas, join=False)
+    barrier = mp.get_context("spawn").Barrier(replicas)
+    context = mp.spawn(
+        _replica_main, args=(fn, replicas, port, barrier, args), nprocs=replicas, join=False
+    )
+    context.barrier = barrier  # the children find its semaphores by name while it lives
+    return context
 
 
 def _replica_main(
-    rank: int, fn: Callable[..., Any], replicas: int, port: int, args: tuple[Any, ...]
+    rank: int, fn: Callable[..., Any], replicas: int, port: int, barrier, args: tuple[Any, ...]
 ) -> None:
+    global _spawn_barrier
+    _spawn_barrier = barrier
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(replicas),
@@ -185,13 +196,27 @@ def trainable_grads(model: nn.Module) -> list[Tensor]:
     return grads
 
 
-def merged_allreduce(grads: list[Tensor], world_size: int) -> int:
-    """Mean the gradients over replicas with ONE all-reduce of a flat buffer; returns 1.
+def shared_memory_reduction(replica: ReplicaInfo) -> SharedMemoryReduction | None:
+    """A shared-memory gradient sum for this replica when ``launch_replicas`` spawned it with
+    the others on this host; None under torchrun or PopRun (use the process group)."""
+    if _spawn_barrier is None or replica.world_size == 1:
+        return None
+    return SharedMemoryReduction(_spawn_barrier, replica.rank, replica.world_size)
 
+
+def merged_allreduce(
+    grads: list[Tensor], world_size: int, shared: SharedMemoryReduction | None = None
+) -> int:
+    """Mean the gradients over replicas with ONE reduction of a flat buffer; returns 1.
+
+    The reduction is a gloo/nccl all-reduce, or ``shared`` (same-host CPU replicas).
     Shapes: the buffer is [sum of numels]; each gradient is copied back in place.
     """
     flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    if shared is None:
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    else:
+        shared.sum_(flat)
     flat.div_(world_size)
     offset = 0
     for grad in grads:

@@ -19,6 +19,7 @@ from schnet_ipu.backends.distributed import (
     broadcast_parameters,
     merged_allreduce,
     per_parameter_allreduce,
+    shared_memory_reduction,
     trainable_grads,
 )
 from schnet_ipu.batch import Batch
@@ -79,6 +80,8 @@ class TorchBackend:
         device_iterations: D, optimiser steps per ``train_call``.
         gradient_accumulation: A, micro-batches per optimiser step.
         merge_allreduce: one all-reduce of a flat buffer per step instead of one per parameter.
+        shared_memory_allreduce: with ``merge_allreduce``, CPU replicas that
+            ``launch_replicas`` spawned on one host sum the buffer in shared memory.
         compile: ``torch.compile(model, dynamic=False)`` instead of eager execution.
         compile_backend: the torch.compile backend ("aot_eager" skips code generation).
         grad_clip: max gradient norm after the replica reduction; 0 disables clipping.
@@ -94,6 +97,7 @@ class TorchBackend:
         device_iterations: int = 1,
         gradient_accumulation: int = 1,
         merge_allreduce: bool = True,
+        shared_memory_allreduce: bool = True,
         compile: bool = False,
         compile_backend: str = "inductor",
         grad_clip: float = 0.0,
@@ -118,8 +122,11 @@ class TorchBackend:
         self._train_guard = ShapeGuard("training")
         self._predict_guard = ShapeGuard("prediction")
         self._collectives = 0
+        self._shared_reduction = None
         if self.replica.world_size > 1:
             broadcast_parameters(self.model)
+            if merge_allreduce and shared_memory_allreduce and self.device.type == "cpu":
+                self._shared_reduction = shared_memory_reduction(self.replica)
 
     @property
     def recompilations(self) -> int:
@@ -184,8 +191,9 @@ class TorchBackend:
         if self.replica.world_size == 1:
             return 0
         grads = trainable_grads(self.model)
-        reduce = merged_allreduce if self.merge_allreduce else per_parameter_allreduce
-        return reduce(grads, self.replica.world_size)
+        if self.merge_allreduce:
+            return merged_allreduce(grads, self.replica.world_size, self._shared_reduction)
+        return per_parameter_allreduce(grads, self.replica.world_size)
 
     def _count_graphs(self, graph: torch.fx.GraphModule, example_inputs: list[Tensor]):
         """torch.compile backend: ``compile_backend``, counting each graph dynamo hands over."""
