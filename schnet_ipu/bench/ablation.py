@@ -21,6 +21,7 @@ START = [
     "loader.prefetch=1",
     "model.stable_softplus=false",
     "backend.merge_allreduce=false",
+    "backend.shared_memory_allreduce=false",
 ]
 # (step, overrides added, knn over the whole batch?)
 STEPS: list[tuple[str, list[str], bool]] = [
@@ -34,6 +35,7 @@ STEPS: list[tuple[str, list[str], bool]] = [
     ("+ radius graph, tuple packing", ["model.graph=radius", "packing.algorithm=tuple",
                                        "model.pair_symmetric=false"], False),
     ("+ pair-symmetric filters", ["model.pair_symmetric=true"], False),
+    ("+ shared-memory all-reduce", ["backend.shared_memory_allreduce=true"], False),
     ("+ torch.compile", ["backend.compile=true"], False),
 ]  # fmt: skip
 
@@ -80,7 +82,7 @@ def run_ablation(
         f"training molecules; SchNet {size.hidden_channels} features, "
         f"{size.num_interactions} interactions.",
         "Start: pad-to-max batches, knn searched over the whole batch, loading in the "
-        "training process, naive softplus, one all-reduce per parameter, 1 batch prefetched.",
+        "training process, naive softplus, one gloo all-reduce per parameter, 1 batch prefetched.",
         "Block-diagonal knn searches each pack on its own instead of the whole batch; the "
         "radius-graph step switches to precomputed radius edges with tuple packing.",
         f"Timing: {timing.warmup} warm-up steps per configuration (including compilation) "

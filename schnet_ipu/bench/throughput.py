@@ -309,8 +309,9 @@ def run_throughput(
         "hit all alike); medians over the rounds; loading is inside the timed windows. "
         "*_per_round: the ratio within each round, to show the spread.",
         f"Stock PyG radius graph: {RADIUS_BUILDER}; torch-cluster is not installed.",
-        "Replicated variant: R gloo processes with 1/R of the torch threads each, each "
-        f"training about {batch_molecules}/R molecules per step with a merged all-reduce, so "
+        "Replicated variant: R processes with 1/R of the torch threads each, each "
+        f"training about {batch_molecules}/R molecules per step; the merged gradient is "
+        "summed through shared memory (same-host CPU replicas), so "
         "an optimiser step sees about as many molecules as every other variant. The other "
         "variants and stock PyG run in one process with all torch threads. Packs hold whole "
         "molecules, so ours trains 33-35 molecules per step where PyG trains 32 "
