@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from schnet_ipu.backends.benchmark import format_table, measure_replication, synthetic_batch
 
 
@@ -15,9 +17,14 @@ def test_synthetic_batch_fills_the_packs() -> None:
 
 
 def test_one_replica_row_in_process() -> None:
-    rows = measure_replication(replicas=(1,), merge=(True,), steps=1, warmup=0, packs=1)
+    rows = measure_replication(replicas=(1,), steps=1, warmup=0, packs=1)
     assert len(rows) == 1
     row = rows[0]
-    assert (row["replicas"], row["merge_allreduce"], row["collectives_per_step"]) == (1, True, 0)
+    assert (row["replicas"], row["reduction"], row["collectives_per_step"]) == (1, "none", 0)
     assert row["step_ms_median"] > 0 and row["grad_values"] > 100_000  # paper-size SchNet
     assert "collectives/step" in format_table(rows)
+
+
+def test_unknown_reduction_is_an_error() -> None:
+    with pytest.raises(ValueError, match="unknown reductions"):
+        measure_replication(replicas=(1,), reductions=("ring",), steps=1, warmup=0, packs=1)

@@ -96,8 +96,9 @@ def test_scaling_two_replicas(store: Path, tmp_path: Path) -> None:
     loaded = check_report(report, "scaling", tmp_path, scaling)
     by_name = {r["name"]: r for r in loaded["results"]}
     assert by_name["2 replica(s) merged"]["collectives_per_step"] == 1
+    assert by_name["2 replica(s) shared memory"]["collectives_per_step"] == 1
     assert by_name["2 replica(s) per-parameter"]["collectives_per_step"] > 1
-    assert "merged_vs_per_parameter_2" in loaded["ratios"]
+    assert {"merged_vs_per_parameter_2", "shared_memory_vs_gloo_2"} <= set(loaded["ratios"])
 
 
 def test_ablation_one_replica(store: Path, tmp_path: Path) -> None:

@@ -1,4 +1,6 @@
-"""Step time and collectives per step of replicated training: merged vs per-parameter all-reduce.
+"""Step time and collectives per step of replicated training, by gradient reduction: one
+gloo all-reduce per parameter, one merged gloo all-reduce, or the merged buffer summed
+through shared memory (same-host CPU replicas, the default).
 
     python -m schnet_ipu.backends.benchmark [--replicas 1 2 4] [--steps 10] [--packs 8]
 
@@ -24,10 +26,7 @@ import torch.distributed as dist
 from schnet_ipu.backends.distributed import (
     init_replica,
     launch_replicas,
-    merged_allreduce,
-    per_parameter_allreduce,
     shutdown_replica,
-    trainable_grads,
 )
 from schnet_ipu.backends.torch_backend import TorchBackend
 from schnet_ipu.batch import Batch
@@ -36,6 +35,11 @@ from schnet_ipu.model import SchNet, masked_mse
 from schnet_ipu.model.benchmark import molecules_to_batch, plan_packs
 
 ELEMENTS = np.array([1, 6, 7, 8, 9])
+REDUCTIONS = {  # name -> (merge_allreduce, shared_memory_allreduce)
+    "per-parameter": (False, False),
+    "merged": (True, False),
+    "shared memory": (True, True),
+}
 
 
 def synthetic_batch(seed: int, packs: int, max_nodes: int, max_graphs: int) -> Batch:
@@ -63,7 +67,8 @@ def _worker(rank: int, world: int, settings: dict, out: Path) -> None:
     replica = init_replica(BackendConfig(device="cpu", replicas=world), "cpu")
     batch = synthetic_batch(rank, settings["packs"], settings["max_nodes"], settings["max_graphs"])
     rows = []
-    for merge in settings["merge"]:
+    for reduction in settings["reductions"] if world > 1 else ["none"]:
+        merge, shared = REDUCTIONS.get(reduction, (True, True))
         torch.manual_seed(0)
         model = SchNet(100, 100, 4, 25, cutoff=6.0, k=24, max_nodes_per_pack=settings["max_nodes"])
         backend = TorchBackend(
@@ -71,6 +76,7 @@ def _worker(rank: int, world: int, settings: dict, out: Path) -> None:
             torch.optim.Adam(model.parameters(), lr=1e-3),
             schnet_loss,
             merge_allreduce=merge,
+            shared_memory_allreduce=shared,
             grad_clip=10.0,
             replica=replica,
         )
@@ -83,11 +89,11 @@ def _worker(rank: int, world: int, settings: dict, out: Path) -> None:
         reduce_ms = float("nan")
         if world > 1:  # a step is as slow as its slowest replica
             dist.all_reduce(times, op=dist.ReduceOp.MAX)
-            reduce_ms = _time_reduction(model, world, merge, settings["steps"])
+            reduce_ms = _time_reduction(backend, settings["steps"])
         rows.append(
             {
                 "replicas": world,
-                "merge_allreduce": merge,
+                "reduction": reduction,
                 "collectives_per_step": backend.collectives_per_step,
                 "step_ms_median": 1e3 * statistics.median(times.tolist()),
                 "step_ms_min": 1e3 * min(times.tolist()),
@@ -102,15 +108,13 @@ def _worker(rank: int, world: int, settings: dict, out: Path) -> None:
     shutdown_replica()
 
 
-def _time_reduction(model: torch.nn.Module, world: int, merge: bool, repeats: int) -> float:
-    """Median ms of the gradient reduction alone (after a barrier), slowest replica."""
-    grads = trainable_grads(model)
-    reduce = merged_allreduce if merge else per_parameter_allreduce
+def _time_reduction(backend: TorchBackend, repeats: int) -> float:
+    """Median ms of the backend's gradient reduction alone (after a barrier), slowest replica."""
     times = []
     for _ in range(repeats):
         dist.barrier()
         start = time.perf_counter()
-        reduce(grads, world)
+        backend.reduce_gradients()
         times.append(time.perf_counter() - start)
     median = torch.tensor([statistics.median(times)], dtype=torch.float64)
     dist.all_reduce(median, op=dist.ReduceOp.MAX)
@@ -119,18 +123,21 @@ def _time_reduction(model: torch.nn.Module, world: int, merge: bool, repeats: in
 
 def measure_replication(
     replicas: tuple[int, ...] = (1, 2, 4),
-    merge: tuple[bool, ...] = (True, False),
+    reductions: tuple[str, ...] = tuple(REDUCTIONS),
     steps: int = 10,
     warmup: int = 3,
     packs: int = 8,
     max_nodes: int = 36,
     max_graphs: int = 3,
 ) -> list[dict]:
-    """One row per (replicas, merge_allreduce): median step time (max over replicas, ms),
-    collectives per step, the gradient all-reduce alone (ms), molecules per second over all
-    replicas."""
+    """One row per (replicas, reduction) (one replica: reduction "none"): median step time
+    (max over replicas, ms), collectives per step, the gradient reduction alone (ms),
+    molecules per second over all replicas."""
+    unknown = set(reductions) - set(REDUCTIONS)
+    if unknown:
+        raise ValueError(f"unknown reductions {sorted(unknown)}; choose from {list(REDUCTIONS)}")
     settings = dict(
-        merge=merge, steps=steps, warmup=warmup, packs=packs, max_nodes=max_nodes,
+        reductions=list(reductions), steps=steps, warmup=warmup, packs=packs, max_nodes=max_nodes,
         max_graphs=max_graphs,
     )  # fmt: skip
     rows: list[dict] = []
@@ -144,14 +151,14 @@ def measure_replication(
 
 def format_table(rows: list[dict]) -> str:
     header = (
-        "replicas  merged  collectives/step  step ms (median)  step ms (min)  all-reduce ms"
-        "  molecules/s"
+        "replicas      reduction  collectives/step  step ms (median)  step ms (min)"
+        "  reduction ms  molecules/s"
     )
     lines = [header]
     for r in rows:
         lines.append(
-            f"{r['replicas']:>8}  {r['merge_allreduce']!s:>6}  {r['collectives_per_step']:>16}"
-            f"  {r['step_ms_median']:>16.1f}  {r['step_ms_min']:>13.1f}  {r['allreduce_ms']:>13.2f}"
+            f"{r['replicas']:>8}  {r['reduction']:>13}  {r['collectives_per_step']:>16}"
+            f"  {r['step_ms_median']:>16.1f}  {r['step_ms_min']:>13.1f}  {r['allreduce_ms']:>12.2f}"
             f"  {r['molecules_per_s']:>11.0f}"
         )
     return "\n".join(lines)
@@ -167,7 +174,7 @@ def main() -> None:
     parser.add_argument("--max-graphs", type=int, default=3)
     args = parser.parse_args()
     rows = measure_replication(
-        tuple(args.replicas), (True, False), args.steps, args.warmup, args.packs,
+        tuple(args.replicas), tuple(REDUCTIONS), args.steps, args.warmup, args.packs,
         args.max_nodes, args.max_graphs,
     )  # fmt: skip
     print(format_table(rows))

@@ -162,7 +162,7 @@ class TorchBackend:
                 loss = self.loss_fn(self._run_model, self._to_device(batch))
                 (loss / accum).backward()
                 step_loss += loss.detach()
-            self._collectives = self._reduce_gradients()
+            self._collectives = self.reduce_gradients()
             if self.grad_clip > 0:
                 nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
             self.optimizer.step()
@@ -187,7 +187,8 @@ class TorchBackend:
             batch = batch.pin_memory()
         return batch.to(self.device, non_blocking=True)
 
-    def _reduce_gradients(self) -> int:
+    def reduce_gradients(self) -> int:
+        """Mean the gradients over the replicas, in place; returns the collectives used."""
         if self.replica.world_size == 1:
             return 0
         grads = trainable_grads(self.model)
