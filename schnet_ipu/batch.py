@@ -46,6 +46,7 @@ class Batch:
     molecule_index: Tensor  # [G] int64 index of the molecule in the store, -1 for padding
     edge_index: Tensor | None = None  # [2, E] int64, radius graphs only
     edge_mask: Tensor | None = None  # [E] bool, radius graphs only
+    forces: Tensor | None = None  # [N, 3] float32 target forces, 0 on padding; stores with forces
 
     @property
     def num_nodes(self) -> int:
@@ -72,10 +73,14 @@ class Batch:
         """The tensors in field order, without the absent edge fields (for PopTorch)."""
         return tuple(t for f in fields(self) if (t := getattr(self, f.name)) is not None)
 
+    def present_fields(self) -> tuple[str, ...]:
+        """Names of the fields :meth:`as_tuple` returns, in its order."""
+        return tuple(f.name for f in fields(self) if getattr(self, f.name) is not None)
+
     @classmethod
-    def from_tuple(cls, tensors: tuple[Tensor, ...]) -> Batch:
-        """Inverse of :meth:`as_tuple`."""
-        return cls(*tensors)
+    def from_tuple(cls, tensors: tuple[Tensor, ...], names: tuple[str, ...]) -> Batch:
+        """Inverse of :meth:`as_tuple`, given the :meth:`present_fields` of the batch."""
+        return cls(**dict(zip(names, tensors)))  # noqa: B905 (Python 3.8 on the IPU path)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
         return self._map(lambda t: t.to(device, non_blocking=non_blocking))

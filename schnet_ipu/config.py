@@ -69,6 +69,7 @@ class ModelConfig:
     readout: str = "sum"  # sum | mean
     pair_symmetric: bool = True  # radius graphs: one filter per unordered pair
     stable_softplus: bool = True  # False = naive log(1 + exp(x)) - log 2, for the ablation
+    ops: str = "torch"  # op flavour: torch (CPU/CUDA) | ipu (PopTorch-mapped; ipu devices force it)
 
 
 @dataclass
@@ -132,6 +133,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "packing.heuristic": ("product", "sum", "max", "min", "nodes", "edges"),
     "model.graph": ("knn", "radius"),
     "model.readout": ("sum", "mean"),
+    "model.ops": ("torch", "ipu"),
     "optim.schedule": ("plateau", "cosine", "constant"),
     "backend.device": ("auto", "cpu", "cuda", "ipu", "ipu-model"),
     "backend.dist_backend": ("auto", "gloo", "nccl"),

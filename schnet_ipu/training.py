@@ -10,6 +10,7 @@ last checkpoint and ends with the same weights as an uninterrupted run.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import functools
 import logging
 import math
@@ -350,10 +351,14 @@ def make_trainer(
 
 
 def build_model(cfg: Config, data: PreparedData) -> SchNet:
-    """SchNet whose atom reference is the dressed-atom fit, scaled to the residual spread."""
+    """SchNet whose atom reference is the dressed-atom fit, scaled to the residual spread;
+    the ipu op flavour on ``ipu`` and ``ipu-model`` devices."""
     atom_scale = data.residual_std / math.sqrt(data.mean_atoms())
+    model_cfg = cfg.model
+    if cfg.backend.device in ("ipu", "ipu-model"):  # the IPU and its emulator: mapped ops only
+        model_cfg = dataclasses.replace(model_cfg, ops="ipu")
     return SchNet.from_config(
-        cfg.model,
+        model_cfg,
         max_nodes_per_pack=data.train_plan.max_nodes,
         mean=0.0,
         std=atom_scale,

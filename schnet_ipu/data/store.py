@@ -6,6 +6,7 @@ Layout (M molecules, A atoms in total)::
     /pos       float32 [A, 3]  positions in Angstrom
     /offsets   int64   [M + 1] molecule i owns atoms offsets[i]:offsets[i + 1]
     /ids       int64   [M]     record id in the source (QM9: gdb index)
+    /forces    float32 [A, 3]  optional per-atom forces; attrs: unit (e.g. eV/Angstrom)
     /targets/<name>  float64 [M]    attrs: unit, description
     /atomrefs/<name> float64 [119]  optional per-element reference in the target's unit
 
@@ -68,6 +69,8 @@ def write_store(
     descriptions: Mapping[str, str] | None = None,
     attrs: Mapping[str, Any] | None = None,
     atomrefs: Mapping[str, Any] | None = None,
+    forces: Sequence[Any] | np.ndarray | None = None,
+    forces_unit: str = "",
     origin: str | None = None,
 ) -> Path:
     """Validate molecules and write them atomically (temp file in the same folder, renamed).
@@ -75,8 +78,9 @@ def write_store(
     ``z`` and ``pos`` are either per-molecule lists (``z[i]`` [n_i], ``pos[i]`` [n_i, 3]) or
     concatenated arrays ([A], [A, 3]) with ``offsets`` [M + 1]. Elements are atomic numbers or
     symbols ("C"). ``targets[name]`` is [M]; ``units[name]`` its unit. ``ids`` [M] default to
-    0..M-1. ``origin`` names the source files in error messages. Nothing is written when any
-    check fails.
+    0..M-1. ``forces`` (optional) are per-atom like ``pos`` ([A, 3], or per-molecule
+    [n_i, 3]) in ``forces_unit``. ``origin`` names the source files in error messages.
+    Nothing is written when any check fails.
     """
     path = Path(path)
     where = f"{origin or path}"
@@ -84,11 +88,8 @@ def write_store(
         counts = np.array([len(m) for m in z], dtype=np.int64)
         offsets = np.concatenate([[0], np.cumsum(counts)])
         z = np.concatenate([np.asarray(m).reshape(-1) for m in z]) if len(z) else np.zeros(0)
-        pos = (
-            np.concatenate([np.asarray(p, dtype=np.float32).reshape(-1, 3) for p in pos])
-            if len(pos)
-            else np.zeros((0, 3))
-        )
+        pos = _per_atom(pos)
+        forces = None if forces is None else _per_atom(forces)
     offsets = np.asarray(offsets, dtype=np.int64)
     num_molecules = len(offsets) - 1
     ids = np.arange(num_molecules, dtype=np.int64) if ids is None else np.asarray(ids, np.int64)
@@ -114,6 +115,15 @@ def write_store(
     if len(bad):
         mol = int(np.searchsorted(offsets, bad[0], side="right") - 1)
         raise StoreError(f"{record(mol)} has non-finite (NaN/inf) coordinates")
+    forces_arr = None
+    if forces is not None:
+        forces_arr = np.asarray(forces, dtype=np.float32)
+        if forces_arr.shape != pos_arr.shape:
+            raise StoreError(f"{where}: forces {forces_arr.shape} do not match pos {pos_arr.shape}")
+        bad = np.flatnonzero(~np.isfinite(forces_arr).all(axis=1))
+        if len(bad):
+            mol = int(np.searchsorted(offsets, bad[0], side="right") - 1)
+            raise StoreError(f"{record(mol)} has non-finite (NaN/inf) forces")
     target_arrays = _check_targets(targets, units, num_molecules, ids, where)
     ref_arrays = {}
     for name, ref in (atomrefs or {}).items():
@@ -130,6 +140,8 @@ def write_store(
             _dataset(f, "pos", pos_arr, (ATOM_CHUNK, 3))
             _dataset(f, "offsets", offsets, (MOLECULE_CHUNK,))
             _dataset(f, "ids", ids, (MOLECULE_CHUNK,))
+            if forces_arr is not None:
+                _dataset(f, "forces", forces_arr, (ATOM_CHUNK, 3)).attrs["unit"] = forces_unit
             f.create_group("targets", track_order=True)
             for name, values in target_arrays.items():
                 ds = _dataset(f, f"targets/{name}", values, (MOLECULE_CHUNK,))
@@ -155,6 +167,13 @@ def write_store(
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+def _per_atom(per_molecule: Sequence[Any]) -> np.ndarray:
+    """Per-molecule [n_i, 3] arrays -> one float32 [A, 3] array."""
+    if not len(per_molecule):
+        return np.zeros((0, 3), dtype=np.float32)
+    return np.concatenate([np.asarray(p, dtype=np.float32).reshape(-1, 3) for p in per_molecule])
 
 
 def _atomic_numbers(z: np.ndarray, offsets: np.ndarray, record) -> np.ndarray:
@@ -238,6 +257,7 @@ class MoleculeStore:
                 self.ids = f["ids"][:]
                 self._units = {n: str(_plain(d.attrs["unit"])) for n, d in f["targets"].items()}
                 self._atomrefs = {n: d[:] for n, d in f.get("atomrefs", {}).items()}
+                self.forces_unit = str(_plain(f["forces"].attrs["unit"])) if "forces" in f else None
                 shapes = (f["z"].shape, f["pos"].shape)
         except StoreError:
             raise
@@ -315,6 +335,16 @@ class MoleculeStore:
             if m not in self._cache:
                 a, b = self.offsets[m] - base, self.offsets[m + 1] - base
                 self._cache[m] = (z[a:b], pos[a:b])
+
+    @property
+    def has_forces(self) -> bool:
+        return self.forces_unit is not None
+
+    def forces(self) -> np.ndarray:
+        """All per-atom forces at once: float32 [A, 3] in ``forces_unit`` (split by offsets)."""
+        if not self.has_forces:
+            raise StoreError(f"{self.path}: the store holds no forces; re-import them")
+        return self._file()["forces"][:]
 
     def concatenated(self) -> tuple[np.ndarray, np.ndarray]:
         """All atoms at once: (z uint8 [A], pos float32 [A, 3]); split them with ``offsets``."""

@@ -8,7 +8,8 @@ state dict loads unchanged. What differs is how the work is laid out:
 * the Gaussian expansion and cosine cutoff are computed once and shared by every block;
 * on radius graphs with ``pair_symmetric=True`` the filter is computed once per unordered
   pair and shared by both directions (the batch stores the reversed pairs in the same order);
-* messages are gathered with ``index_select`` and summed with a 1-D ``index_add_`` (radius)
+* messages are gathered and summed by the op flavour's primitives (``model.ops``: ``torch``
+  uses 1-D ``index_add_``, ``ipu`` only ops PopTorch maps; see :mod:`schnet_ipu.model.ops`)
   or, on knn graphs whose receivers are sorted with k edges each, by a reshape and a sum;
 * k-nearest-neighbour graphs are searched on the device inside each pack;
 * padding atoms, edges and molecule slots are inert: they never reach a real molecule's
@@ -18,6 +19,7 @@ state dict loads unchanged. What differs is how the work is laid out:
 from __future__ import annotations
 
 import math
+from typing import Union
 
 import torch
 from torch import Tensor, nn
@@ -25,28 +27,23 @@ from torch.nn import Embedding, Linear, ModuleList, Sequential
 
 from schnet_ipu.batch import Batch
 from schnet_ipu.config import ModelConfig
-from schnet_ipu.model.ops import (
-    edge_distance,
-    gather,
-    knn_graph_packed,
-    naive_shifted_softplus,
-    pair_symmetric_conv,
-    scatter_sum,
-    shifted_softplus,
-)
+from schnet_ipu.model.ops import IpuOps, TorchOps, get_ops, naive_shifted_softplus
+
+Ops = Union[TorchOps, IpuOps]  # noqa: UP007 (a runtime alias: the IPU path runs Python 3.8)
 
 NUM_ELEMENTS = 100  # embedding rows, as PyG; row 0 is the padding atom
 
 
 class ShiftedSoftplus(nn.Module):
-    """``softplus(x) - log 2``, stable (default) or naive for the ablation."""
+    """``softplus(x) - log 2``, stable (the flavour's, default) or naive for the ablation."""
 
-    def __init__(self, stable: bool = True):
+    def __init__(self, ops: Ops, stable: bool = True):
         super().__init__()
+        self.ops = ops
         self.stable = stable
 
     def forward(self, x: Tensor) -> Tensor:
-        return shifted_softplus(x) if self.stable else naive_shifted_softplus(x)
+        return self.ops.shifted_softplus(x) if self.stable else naive_shifted_softplus(x)
 
 
 class GaussianSmearing(nn.Module):
@@ -72,8 +69,11 @@ class CFConv(nn.Module):
     """Continuous-filter convolution: ``lin2(sum_j lin1(x)_j * W(d_ji))``, with the filter
     ``W = nn(rbf) * cut`` from the block's filter network ``nn`` (PyG's names and layout)."""
 
-    def __init__(self, in_channels: int, out_channels: int, num_filters: int, mlp: Sequential):
+    def __init__(
+        self, in_channels: int, out_channels: int, num_filters: int, mlp: Sequential, ops: Ops
+    ):
         super().__init__()
+        self.ops = ops
         self.lin1 = Linear(in_channels, num_filters, bias=False)
         self.lin2 = Linear(num_filters, out_channels)
         self.nn = mlp
@@ -96,16 +96,16 @@ class CFConv(nn.Module):
         rbf [E', G] and cut [E'] describe E' = E edges, or E' = E / 2 unordered pairs when the
         graph is stored as forward pairs then the same pairs reversed (pair-symmetric filter).
         ``knn=k``: the receivers are sorted with exactly k edges each (the layout of
-        :func:`~schnet_ipu.model.ops.knn_graph_packed`), so the sum is a reshape and a
-        reduction; otherwise a 1-D ``index_add_`` that assumes no ordering. -> [N, C_out]
+        ``knn_graph_packed``), so the sum is a reshape and a reduction; otherwise the
+        flavour's ``scatter_sum``, which assumes no ordering. -> [N, C_out]
         """
         filt = self.filter(rbf, cut)  # [E', F]
         x = self.lin1(x)
         if filt.shape[0] < edge_index.shape[1]:  # both directions of a pair share its filter
-            return self.lin2(pair_symmetric_conv(x, edge_index, filt))
-        msg = gather(x, edge_index[0]) * filt  # [E, F]
+            return self.lin2(self.ops.pair_symmetric_conv(x, edge_index, filt))
+        msg = self.ops.gather(x, edge_index[0]) * filt  # [E, F]
         if knn is None:
-            agg = scatter_sum(msg, edge_index[1], x.shape[0])
+            agg = self.ops.scatter_sum(msg, edge_index[1], x.shape[0])
         else:
             agg = msg.view(x.shape[0], knn, -1).sum(1)
         return self.lin2(agg)
@@ -115,16 +115,21 @@ class InteractionBlock(nn.Module):
     """One SchNet interaction: CFConv, shifted softplus, linear (the residual is in SchNet)."""
 
     def __init__(
-        self, hidden_channels: int, num_gaussians: int, num_filters: int, stable: bool = True
+        self,
+        hidden_channels: int,
+        num_gaussians: int,
+        num_filters: int,
+        ops: Ops,
+        stable: bool = True,
     ):
         super().__init__()
         self.mlp = Sequential(
             Linear(num_gaussians, num_filters),
-            ShiftedSoftplus(stable),
+            ShiftedSoftplus(ops, stable),
             Linear(num_filters, num_filters),
         )
-        self.conv = CFConv(hidden_channels, hidden_channels, num_filters, self.mlp)
-        self.act = ShiftedSoftplus(stable)
+        self.conv = CFConv(hidden_channels, hidden_channels, num_filters, self.mlp, ops)
+        self.act = ShiftedSoftplus(ops, stable)
         self.lin = Linear(hidden_channels, hidden_channels)
         self.reset_parameters()
 
@@ -160,6 +165,7 @@ class SchNet(nn.Module):
         pair_symmetric: radius graphs only: compute one filter per unordered pair (the first
             E/2 edges) and reuse it for the reversed half. Exact. Ignored for knn graphs.
         stable_softplus: False swaps in the naive ``log(1 + exp(x)) - log 2`` (ablation).
+        ops: the op flavour, ``"torch"`` (CPU, CUDA) or ``"ipu"`` (only ops PopTorch maps).
         max_nodes_per_pack: atoms per pack M; needed for ``graph="knn"``.
         mean, std: the per-atom output is ``h * std + mean`` (target standardisation).
         atomref: optional per-element reference values [Z] or [Z, 1], added per atom; the first
@@ -180,6 +186,7 @@ class SchNet(nn.Module):
         readout: str = "sum",
         pair_symmetric: bool = True,
         stable_softplus: bool = True,
+        ops: str = "torch",
         max_nodes_per_pack: int | None = None,
         mean: float = 0.0,
         std: float = 1.0,
@@ -204,15 +211,16 @@ class SchNet(nn.Module):
         self.max_nodes_per_pack = max_nodes_per_pack
         self.mean = mean
         self.std = std
+        self.ops = get_ops(ops)
 
         self.embedding = Embedding(NUM_ELEMENTS, hidden_channels, padding_idx=0)
         self.distance_expansion = GaussianSmearing(0.0, cutoff, num_gaussians)
         self.interactions = ModuleList(
-            InteractionBlock(hidden_channels, num_gaussians, num_filters, stable_softplus)
+            InteractionBlock(hidden_channels, num_gaussians, num_filters, self.ops, stable_softplus)
             for _ in range(num_interactions)
         )
         self.lin1 = Linear(hidden_channels, hidden_channels // 2)
-        self.act = ShiftedSoftplus(stable_softplus)
+        self.act = ShiftedSoftplus(self.ops, stable_softplus)
         self.lin2 = Linear(hidden_channels // 2, 1)
 
         self.atomref = None
@@ -245,6 +253,7 @@ class SchNet(nn.Module):
             readout=model_cfg.readout,
             pair_symmetric=model_cfg.pair_symmetric,
             stable_softplus=model_cfg.stable_softplus,
+            ops=model_cfg.ops,
             max_nodes_per_pack=max_nodes_per_pack,
             mean=mean,
             std=std,
@@ -274,7 +283,7 @@ class SchNet(nn.Module):
         is all a pair-symmetric filter needs.
         """
         if self.graph == "knn":
-            return knn_graph_packed(
+            return self.ops.knn_graph_packed(
                 batch.pos,
                 batch.graph,
                 batch.node_mask,
@@ -288,7 +297,8 @@ class SchNet(nn.Module):
         if forward_pairs:
             edge_mask = edge_mask[: edge_index.shape[1] // 2]
         pairs = edge_index[:, : len(edge_mask)]
-        return edge_index, edge_distance(batch.pos, pairs, edge_mask, self.cutoff), edge_mask
+        dist = self.ops.edge_distance(batch.pos, pairs, edge_mask, self.cutoff)
+        return edge_index, dist, edge_mask
 
     def edge_features(self, dist: Tensor, edge_mask: Tensor) -> tuple[Tensor, Tensor]:
         """Gaussian expansion [E, G] and cosine cutoff [E] (zero on masked edges) of ``dist``
@@ -313,9 +323,10 @@ class SchNet(nn.Module):
         if self.atomref is not None:
             out = out + self.atomref(batch.z).view(num_nodes)
         # padding atoms belong to the filler slot G, which is dropped
-        pred = scatter_sum(out, batch.graph, num_graphs + 1)[:num_graphs]
+        pred = self.ops.scatter_sum(out, batch.graph, num_graphs + 1)[:num_graphs]
         if self.readout == "mean":
-            count = scatter_sum(batch.node_mask.to(out.dtype), batch.graph, num_graphs + 1)
+            mask = batch.node_mask.to(out.dtype)
+            count = self.ops.scatter_sum(mask, batch.graph, num_graphs + 1)
             pred = pred / count[:num_graphs].clamp(min=1.0)
         return pred
 
@@ -324,7 +335,8 @@ class SchNet(nn.Module):
             f"{type(self).__name__}(hidden_channels={self.hidden_channels}, "
             f"num_filters={self.num_filters}, num_interactions={self.num_interactions}, "
             f"num_gaussians={self.num_gaussians}, cutoff={self.cutoff}, graph={self.graph!r}, "
-            f"k={self.k}, readout={self.readout!r}, pair_symmetric={self.pair_symmetric})"
+            f"k={self.k}, readout={self.readout!r}, pair_symmetric={self.pair_symmetric}, "
+            f"ops={self.ops.name!r})"
         )
 
 

@@ -1,7 +1,10 @@
-"""Building blocks of the packed SchNet: stable shifted softplus, broadcast-free scatter/gather,
-and the on-device k-nearest-neighbour graph computed block-diagonally per pack.
+"""The ``torch`` op flavour (CPU, CUDA): the fastest ops torch offers, anything goes.
 
-Shapes use N atoms, E edges, F features, B packs of M = ``nodes_per_pack`` atoms (N = B * M).
+Fused ``logaddexp`` softplus with a hand-written backward (a polynomial under
+``torch.compile``), 1-D ``index_add_`` scatters, a pair-symmetric convolution with in-place
+buffers, and the knn graph searched block-diagonally per pack. See
+:mod:`schnet_ipu.model.ops` for the interface; shapes use N atoms, E edges, F features, B packs
+of M = ``nodes_per_pack`` atoms (N = B * M).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-LOG2 = math.log(2.0)
+from schnet_ipu.model.ops.common import LOG2, edge_distance
 
 
 class _ShiftedSoftplus(torch.autograd.Function):
@@ -84,13 +87,6 @@ def shifted_softplus(x: Tensor) -> Tensor:
     if torch.compiler.is_compiling() and x.dtype != torch.float64:
         return _ShiftedSoftplusFused.apply(x)
     return _ShiftedSoftplus.apply(x)
-
-
-def naive_shifted_softplus(x: Tensor) -> Tensor:
-    """``log(1 + exp(x)) - log 2`` as written, which overflows to ``inf`` for large ``x``
-    (``x > 88`` in float32). Only for the ``stable_softplus=False`` ablation.
-    """
-    return torch.log(1.0 + torch.exp(x)) - LOG2
 
 
 def gather(x: Tensor, index: Tensor) -> Tensor:
@@ -208,11 +204,13 @@ def knn_graph_packed(
     return edge_index, dist, edge_mask
 
 
-def edge_distance(pos: Tensor, edge_index: Tensor, edge_mask: Tensor, cutoff: float) -> Tensor:
-    """Length [E] of each edge in ``edge_index`` [2, E]; masked edges read ``cutoff``.
+class TorchOps:
+    """The torch flavour's primitives (see :mod:`schnet_ipu.model.ops`)."""
 
-    The square root is taken after masking, so masked (zero-length) edges give no NaN gradient.
-    """
-    diff = gather(pos, edge_index[0]) - gather(pos, edge_index[1])
-    sq = diff.square().sum(-1)
-    return torch.where(edge_mask, sq, sq.new_tensor(cutoff * cutoff)).sqrt()
+    name = "torch"
+    shifted_softplus = staticmethod(shifted_softplus)
+    gather = staticmethod(gather)
+    scatter_sum = staticmethod(scatter_sum)
+    pair_symmetric_conv = staticmethod(pair_symmetric_conv)
+    knn_graph_packed = staticmethod(knn_graph_packed)
+    edge_distance = staticmethod(edge_distance)

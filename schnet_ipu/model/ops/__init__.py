@@ -1,0 +1,38 @@
+"""Op flavours: the primitives SchNet is built from, one module per kind of hardware.
+
+The model calls only these primitives, through the flavour object it was built with
+(``model.ops: torch | ipu``), so choosing a flavour never touches the model file:
+
+* ``shifted_softplus(x)``: ``log1p(exp(-|x|)) + max(x, 0) - log 2``, any shape.
+* ``gather(x, index)``: rows of x [N, F] at index [E] -> [E, F].
+* ``scatter_sum(src, index, dim_size)``: rows of src [E, F] (or [E]) summed by index [E] into
+  [dim_size, F] (or [dim_size]); no ordering assumed.
+* ``pair_symmetric_conv(x, edge_index, filt)``: ``scatter_sum(gather(x, src) * cat([filt,
+  filt]), dst)`` for x [N, F], edge_index [2, 2P] (forward pairs, then reversed), filt [P, F].
+* ``knn_graph_packed(pos, graph, node_mask, nodes_per_pack, k, cutoff)``: the k nearest
+  neighbours within the cutoff inside each pack -> (edge_index [2, N k], dist [N k],
+  edge_mask [N k]).
+* ``edge_distance(pos, edge_index, edge_mask, cutoff)``: edge lengths [E], masked ones at the
+  cutoff.
+
+Flavours: ``torch`` (:mod:`.torch_ops`: fused kernels, custom autograd, in-place buffers) for
+CPU and CUDA; ``ipu`` (:mod:`.ipu_ops`: only ops PopTorch maps to Poplar) for the IPU and its
+CPU emulation.
+"""
+
+from __future__ import annotations
+
+from schnet_ipu.model.ops.common import naive_shifted_softplus
+from schnet_ipu.model.ops.ipu_ops import IpuOps
+from schnet_ipu.model.ops.torch_ops import TorchOps
+
+FLAVOURS = {"torch": TorchOps, "ipu": IpuOps}
+
+__all__ = ["FLAVOURS", "IpuOps", "TorchOps", "get_ops", "naive_shifted_softplus"]
+
+
+def get_ops(name: str) -> TorchOps | IpuOps:
+    """The flavour called ``name`` ("torch" or "ipu")."""
+    if name not in FLAVOURS:
+        raise ValueError(f"unknown op flavour {name!r}; one of {', '.join(FLAVOURS)}")
+    return FLAVOURS[name]()
