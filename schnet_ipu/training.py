@@ -41,6 +41,7 @@ from schnet_ipu.checkpoint import (
     set_rng_state,
 )
 from schnet_ipu.config import Config, ConfigError, config_from_dict
+from schnet_ipu.errors import CheckpointError, UserError
 from schnet_ipu.loader import PackedLoader
 from schnet_ipu.model import SchNet, masked_mse
 from schnet_ipu.pipeline import PreparedData, make_loader, prepare_data
@@ -49,7 +50,7 @@ from schnet_ipu.runlog import RunLog, plot_learning_curve, read_records, truncat
 log = logging.getLogger("schnet_ipu")
 
 
-class TrainingError(RuntimeError):
+class TrainingError(UserError, RuntimeError):
     """Training cannot go on (a non-finite loss, say); the last good checkpoint is kept."""
 
 
@@ -89,14 +90,16 @@ def run(cfg: Config) -> None:
     resume = load_checkpoint(last_path) if last_path.exists() else None
     if resume is not None:
         check_same_run(resume["config"], cfg.to_dict(), run_dir)
-    if main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(cfg.to_yaml())
 
     if cfg.backend.threads:
         torch.set_num_threads(cfg.backend.threads)
     np.random.seed(cfg.seed)
-    data = prepare_data(cfg)
+    data = prepare_data(cfg)  # bad data stops the run here, before the run dir is touched
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(cfg.to_yaml())
+        if resume is None:  # records of a run that crashed before its first checkpoint
+            (run_dir / "metrics.jsonl").unlink(missing_ok=True)
     model, optimizer, backend = make_trainer(cfg, data, replica, device)
     pin = device.startswith("cuda")
     # PopTorch replicates inside one process, which then feeds all R replicas per call
@@ -154,9 +157,6 @@ def run(cfg: Config) -> None:
             scheduler.step(val.mae)
         improved = val.mae < best_mae
         best_mae = min(best_mae, val.mae)
-        checkpoint(last_path, epoch + 1, 0)
-        if improved:
-            checkpoint(best_path, epoch + 1, 0)
         if runlog is not None:
             runlog.write(
                 "epoch",
@@ -180,6 +180,11 @@ def run(cfg: Config) -> None:
                 data.unit,
                 train_stats["molecules_per_s"],
             )
+        # the record is on disk before a checkpoint claims the epoch, and best.pt before
+        # last.pt, so a crash between any two writes loses nothing on resume
+        if improved:
+            checkpoint(best_path, epoch + 1, 0)
+        checkpoint(last_path, epoch + 1, 0)
 
     if replica.world_size > 1:
         dist.barrier()
@@ -431,7 +436,10 @@ def load_run(run_dir: Path, checkpoint: str = "best") -> tuple[Config, PreparedD
     if not ckpt_path.exists():
         raise ConfigError(f"{run_dir} has no {checkpoint} checkpoint ({ckpt_path}); train first")
     state = load_checkpoint(ckpt_path)
-    cfg = config_from_dict(state["config"])
+    try:
+        cfg = config_from_dict(state["config"])
+    except ConfigError as err:
+        raise CheckpointError(f"{ckpt_path}: the config it holds is not valid here: {err}") from err
     if not config_path.exists():
         log.warning("%s is missing; using the config stored in the checkpoint", config_path)
     cfg.backend.replicas = 1

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from schnet_ipu.errors import positive_float, run_cli
+
 from . import (
     MoleculeStore,
     StoreError,
@@ -42,19 +44,13 @@ def main(argv: list[str] | None = None) -> int:
     imp.add_argument("--seed", type=int, default=0)
     stats = commands.add_parser("stats", help="node and edge histograms of a store")
     stats.add_argument("store", type=Path)
-    stats.add_argument("--cutoff", type=float, default=6.0)
+    stats.add_argument("--cutoff", type=positive_float, default=6.0)
     stats.add_argument("--png", type=Path, default=None, help="default: <store>.stats.png")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        if args.command == "import":
-            run_import(args)
-        else:
-            print_stats(args.store, args.cutoff, args.png)
-    except (StoreError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    return 0
+    if args.command == "import":
+        return run_cli(lambda: run_import(args))
+    return run_cli(lambda: print_stats(args.store, args.cutoff, args.png))
 
 
 def run_import(args: argparse.Namespace) -> None:
