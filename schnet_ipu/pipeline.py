@@ -16,7 +16,13 @@ import numpy as np
 
 from schnet_ipu.baseline import element_counts, fit_dressed_atoms, predict_dressed_atoms
 from schnet_ipu.config import Config, ConfigError
-from schnet_ipu.data import MoleculeStore, edge_counts, ensure_store, load_or_make_split
+from schnet_ipu.data import (
+    MoleculeStore,
+    StoreError,
+    edge_counts,
+    ensure_store,
+    load_or_make_split,
+)
 from schnet_ipu.loader import Layout, PackedDataset, PackedLoader
 from schnet_ipu.packing import PackingError, PackPlan, plan_packing
 
@@ -77,6 +83,8 @@ def prepare_data(cfg: Config) -> PreparedData:
             split = load_or_make_split(
                 store.path, len(store), cfg.data.val, cfg.data.test, cfg.seed, cfg.data.subset
             )
+        except StoreError:
+            raise  # a damaged split file: its message names the file
         except ValueError as err:
             raise ConfigError(f"{err}; change data.subset, data.val or data.test") from err
         for name in SPLITS:
