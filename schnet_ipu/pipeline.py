@@ -143,6 +143,19 @@ def plan_splits(
 
     def plan(name: str, max_nodes: int, max_edges: int, max_graphs: int) -> PackPlan:
         index = split[name]
+        limits = (
+            (store.num_atoms, max_nodes, "atoms", "max_nodes"),
+            (edges, max_edges, "edges", "max_edges"),
+        )
+        for sizes, limit, what, option in limits:
+            too_big = index[sizes[index] > limit] if limit and sizes is not None else index[:0]
+            if len(too_big):  # named by store index and record id, not position in the split
+                i = int(too_big[0])
+                raise ConfigError(
+                    f"{store.record_name(i)} ({name} split) has {sizes[i]} {what}, more than "
+                    f"packing.{option}={limit} ({len(too_big)} molecule(s) too large); raise "
+                    f"packing.{option} to at least {sizes[index].max()}"
+                )
         try:
             return plan_packing(
                 store.num_atoms[index],

@@ -326,11 +326,11 @@ class MoleculeStore:
         if self.offsets[0] != 0 or np.any(self.num_atoms <= 0):
             i = int(np.flatnonzero(self.num_atoms <= 0)[0]) if self.offsets[0] == 0 else 0
             raise StoreError(
-                f"{self._record(i)}: offsets do not give it any atoms (offsets must start at 0 "
+                f"{self.record_name(i)}: offsets do not give it any atoms (offsets must start at 0 "
                 "and increase); the store is damaged, re-import it"
             )
 
-    def _record(self, i: int) -> str:
+    def record_name(self, i: int) -> str:
         """How errors name molecule i: the file, the store index and the record id."""
         return f"{self.path}: molecule {i} (record {int(self.ids[i])})"
 
@@ -338,7 +338,7 @@ class MoleculeStore:
         if bad:
             first = min(bad)
             raise StoreError(
-                f"{self._record(first)} {bad[first]} ({len(bad)} bad record(s) in all); the "
+                f"{self.record_name(first)} {bad[first]} ({len(bad)} bad record(s) in all); the "
                 "store is damaged, re-import it (--skip-invalid drops bad records)"
             )
 
