@@ -51,12 +51,16 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
-        unsupported = [line for line in str(err).splitlines() if "Unsupported global" in line]
-        detail = f" ({unsupported[0].strip()})" if unsupported else ""
+        unsupported = [line for line in str(err).splitlines() if "global" in line.lower()]
+        if not unsupported:
+            raise CheckpointError(
+                f"{path}: unreadable checkpoint (not a file this program wrote); delete it to "
+                "start over"
+            ) from err
         raise CheckpointError(
             f"{path}: refused to load: it holds Python objects other than tensors, numbers, "
-            f"strings, lists and dicts{detail}, which could run code; it is not a checkpoint "
-            "of this program. Delete it or train again"
+            f"strings, lists and dicts ({unsupported[0].strip()}), which could run code; it "
+            "is not a checkpoint of this program. Delete it or train again"
         ) from err
     except (OSError, RuntimeError, EOFError, KeyError, ValueError) as err:
         raise CheckpointError(

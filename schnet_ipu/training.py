@@ -96,10 +96,12 @@ def run(cfg: Config) -> None:
     np.random.seed(cfg.seed)
     data = prepare_data(cfg)  # bad data stops the run here, before the run dir is touched
     if main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(cfg.to_yaml())
         if resume is None:  # records of a run that crashed before its first checkpoint
             (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+        else:  # records after the checkpoint will be written again; a torn line goes
+            truncate_after(run_dir / "metrics.jsonl", resume["epoch"], resume["call"])
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(cfg.to_yaml())
     model, optimizer, backend = make_trainer(cfg, data, replica, device)
     pin = device.startswith("cuda")
     # PopTorch replicates inside one process, which then feeds all R replicas per call
@@ -119,8 +121,6 @@ def run(cfg: Config) -> None:
         set_rng_state(resume["rng"])
         start_epoch, start_call, best_mae = resume["epoch"], resume["call"], resume["best_mae"]
         log.info("resuming %s at epoch %d, host call %d", run_dir, start_epoch, start_call)
-        if main:
-            truncate_after(run_dir / "metrics.jsonl", start_epoch, start_call)
     runlog = RunLog(run_dir, cfg) if main else None
     if runlog is not None and resume is None:
         runlog.write("stage", **{f"{k}_seconds": v for k, v in data.timings.items()})
