@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 import pickle
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +77,20 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
             "delete it or choose another run directory"
         )
     return state
+
+
+@contextmanager
+def restoring(path: Path) -> Iterator[None]:
+    """Around ``load_state_dict`` calls: a state that does not fit (keys, shapes, types)
+    raises :class:`CheckpointError` naming ``path`` instead of a deep traceback."""
+    try:
+        yield
+    except (RuntimeError, KeyError, ValueError, TypeError, IndexError) as err:
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(
+            f"{path}: does not fit this model or optimiser ({first_line}); delete it or choose "
+            "another run directory"
+        ) from err
 
 
 def rng_state() -> dict[str, Any]:

@@ -10,9 +10,11 @@ last checkpoint and ends with the same weights as an uninterrupted run.
 from __future__ import annotations
 
 import csv
+import errno
 import functools
 import logging
 import math
+import os
 import shutil
 import signal
 import time
@@ -36,6 +38,7 @@ from schnet_ipu.backends.distributed import (
 from schnet_ipu.checkpoint import (
     check_same_run,
     load_checkpoint,
+    restoring,
     rng_state,
     save_checkpoint,
     set_rng_state,
@@ -94,14 +97,7 @@ def run(cfg: Config) -> None:
     if cfg.backend.threads:
         torch.set_num_threads(cfg.backend.threads)
     np.random.seed(cfg.seed)
-    data = prepare_data(cfg)  # bad data stops the run here, before the run dir is touched
-    if main:
-        if resume is None:  # records of a run that crashed before its first checkpoint
-            (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-        else:  # records after the checkpoint will be written again; a torn line goes
-            truncate_after(run_dir / "metrics.jsonl", resume["epoch"], resume["call"])
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    data = prepare_data(cfg)
     model, optimizer, backend = make_trainer(cfg, data, replica, device)
     pin = device.startswith("cuda")
     # PopTorch replicates inside one process, which then feeds all R replicas per call
@@ -115,12 +111,21 @@ def run(cfg: Config) -> None:
 
     start_epoch, start_call, best_mae = 0, 0, math.inf
     if resume is not None:
-        model.load_state_dict(resume["model"])
-        optimizer.load_state_dict(resume["optimizer"])
-        scheduler.load_state_dict(resume["scheduler"])
-        set_rng_state(resume["rng"])
-        start_epoch, start_call, best_mae = resume["epoch"], resume["call"], resume["best_mae"]
+        with restoring(last_path):
+            model.load_state_dict(resume["model"])
+            optimizer.load_state_dict(resume["optimizer"])
+            scheduler.load_state_dict(resume["scheduler"])
+            set_rng_state(resume["rng"])
+            start_epoch, start_call = int(resume["epoch"]), int(resume["call"])
+            best_mae = float(resume["best_mae"])
         log.info("resuming %s at epoch %d, host call %d", run_dir, start_epoch, start_call)
+    if main:  # bad data or a bad checkpoint stopped the run above, before any write here
+        if resume is None:  # records of a run that crashed before its first checkpoint
+            (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+        else:  # records after the checkpoint will be written again; a torn line goes
+            truncate_after(run_dir / "metrics.jsonl", start_epoch, start_call)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(cfg.to_yaml())
     runlog = RunLog(run_dir, cfg) if main else None
     if runlog is not None and resume is None:
         runlog.write("stage", **{f"{k}_seconds": v for k, v in data.timings.items()})
@@ -446,7 +451,8 @@ def load_run(run_dir: Path, checkpoint: str = "best") -> tuple[Config, PreparedD
     cfg.loader.workers = 0
     data = prepare_data(cfg)
     model = build_model(cfg, data)
-    model.load_state_dict(state["model"])
+    with restoring(ckpt_path):
+        model.load_state_dict(state["model"])
     backend = make_backend(
         cfg.backend, model, torch.optim.Adam(model.parameters()), None, 0.0, ReplicaInfo()
     )
@@ -469,15 +475,22 @@ def evaluate_run(run_dir: Path, split: str = "test") -> dict:
 
 def predict_run(run_dir: Path, split: str, out: Path) -> int:
     """Write index, target, prediction, error per molecule (the store's own target) to CSV."""
+    if not out.parent.is_dir():  # before the slow part, and naming ``out``, not a temp file
+        raise FileNotFoundError(errno.ENOENT, "no such folder", str(out))
     cfg, data, backend = load_run(run_dir)
     raw = data.store.target(cfg.data.target)
     rows = 0
-    with out.open("w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["index", "target", "prediction", "error", "unit"])
-        for index, prediction, target in predictions(backend, make_loader(cfg, data, split)):
-            shift = raw[index] - target  # the atom references subtracted from the target
-            for i, p, t in zip(index, prediction + shift, target + shift, strict=True):
-                writer.writerow([int(i), f"{t:.6f}", f"{p:.6f}", f"{p - t:.6f}", data.unit])
-                rows += 1
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")  # out appears whole or not at all
+    try:
+        with tmp.open("w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["index", "target", "prediction", "error", "unit"])
+            for index, prediction, target in predictions(backend, make_loader(cfg, data, split)):
+                shift = raw[index] - target  # the atom references subtracted from the target
+                for i, p, t in zip(index, prediction + shift, target + shift, strict=True):
+                    writer.writerow([int(i), f"{t:.6f}", f"{p:.6f}", f"{p - t:.6f}", data.unit])
+                    rows += 1
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
     return rows

@@ -332,6 +332,19 @@ def test_foreign_checkpoint(capsys, tmp_path, trained, content, problem):
     refused(capsys, tmp_path, lambda: train_cli.main(["evaluate", "--run", str(run_dir)]), problem)
 
 
+def test_checkpoint_that_does_not_fit_the_model(capsys, tmp_path, trained):
+    store, good_run = trained
+    run_dir = copy_run(good_run, tmp_path / "run")
+    for name in ("best.pt", "last.pt"):
+        state = torch.load(good_run / "checkpoints" / name, weights_only=True)
+        key = next(iter(state["model"]))
+        state["model"][key] = torch.zeros(3, 3, 3)
+        torch.save(state, run_dir / "checkpoints" / name)
+    for argv in (["evaluate", "--run", str(run_dir)], config(store, run_dir, "optim.epochs=3")):
+        run = lambda argv=argv: train_cli.main(argv)  # noqa: E731
+        refused(capsys, tmp_path, run, str(run_dir / "checkpoints"), "does not fit")
+
+
 def test_os_errors_are_one_line(capsys, tmp_path, trained, store):
     _, good_run = trained
     run_file = tmp_path / "run_is_a_file"
