@@ -17,13 +17,19 @@ import logging
 import sys
 from pathlib import Path
 
-from schnet_ipu.config import ConfigError, load_config
+from schnet_ipu.config import load_config
+from schnet_ipu.errors import run_cli
 
 
 def main(argv: list[str]) -> int:
+    """Every command's errors pass :func:`run_cli`: user errors become one line, exit 2."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     if argv and argv[0] in ("evaluate", "predict"):
-        return run_command(argv[0], argv[1:])
+        return run_cli(lambda: run_command(argv[0], argv[1:]))
+    return run_cli(lambda: train_command(argv))
+
+
+def train_command(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description="Train SchNet on packed fixed-shape batches.")
     parser.add_argument("--config", type=Path, help="YAML config (defaults apply without one)")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
@@ -31,17 +37,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--fresh", action="store_true", help="discard an existing run directory")
     parser.add_argument("--resume", action="store_true", help="resume (the default when possible)")
     args = parser.parse_intermixed_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-        if args.print_config:
-            print(cfg.to_yaml(), end="")
-            return 0
-        from schnet_ipu.training import train  # heavy imports only once the config is valid
+    cfg = load_config(args.config, args.overrides)
+    if args.print_config:
+        print(cfg.to_yaml(), end="")
+        return 0
+    from schnet_ipu.training import train  # heavy imports only once the config is valid
 
-        final = train(cfg, fresh=args.fresh)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    final = train(cfg, fresh=args.fresh)
     print(json.dumps(final, indent=2))
     return 0
 
@@ -55,16 +57,12 @@ def run_command(command: str, argv: list[str]) -> int:
     args = parser.parse_args(argv)
     from schnet_ipu.training import evaluate_run, predict_run
 
-    try:
-        if command == "evaluate":
-            print(json.dumps(evaluate_run(args.run, args.split), indent=2))
-        else:
-            out = args.out or args.run / f"predictions_{args.split}.csv"
-            rows = predict_run(args.run, args.split, out)
-            print(f"wrote {rows} predictions to {out}")
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    if command == "evaluate":
+        print(json.dumps(evaluate_run(args.run, args.split), indent=2))
+    else:
+        out = args.out or args.run / f"predictions_{args.split}.csv"
+        rows = predict_run(args.run, args.split, out)
+        print(f"wrote {rows} predictions to {out}")
     return 0
 
 

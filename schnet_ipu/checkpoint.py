@@ -3,12 +3,17 @@
 A checkpoint holds everything an exact resume needs: model, optimiser and scheduler state,
 the RNG states, the epoch and the number of host calls done in it (pack assignment is a
 pure function of the seed and the epoch, so those two fix it), and the config it ran with.
+All of it is plain data (tensors, numbers, strings, lists, dicts), and only plain data is
+loaded back (``torch.load(weights_only=True)``): reading a checkpoint never runs code.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -16,39 +21,107 @@ import numpy as np
 import torch
 
 from schnet_ipu.config import ConfigError
+from schnet_ipu.errors import CheckpointError
 
 # Keys that may change between an interrupted run and its resume without changing results.
 RESUMABLE_CHANGES = ("optim.epochs", "logging.", "loader.workers", "loader.prefetch")
 
+# What every checkpoint of this program holds (see the training loop's ``checkpoint``).
+CHECKPOINT_KEYS = ("model", "optimizer", "scheduler", "rng", "epoch", "call", "best_mae", "config")
+
 
 def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
-    """Write to a temporary file beside ``path``, then rename: never a half-written file."""
+    """Write to a temporary file beside ``path``, flush it to disk, then rename: never a
+    half-written file, even after a power cut."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    try:
+        with tmp.open("wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
+    """Read a checkpoint written by this program. Only tensors, numbers, strings, lists and
+    dicts are unpickled (``weights_only``), so no file can run code; anything else, or a
+    file without this program's keys, raises :class:`CheckpointError` naming it."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as err:
-        raise ConfigError(
-            f"checkpoint {path} cannot be read ({err}); delete it to start over"
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        unsupported = [line for line in str(err).splitlines() if "global" in line.lower()]
+        if not unsupported:
+            raise CheckpointError(
+                f"{path}: unreadable checkpoint (not a file this program wrote); delete it to "
+                "start over"
+            ) from err
+        raise CheckpointError(
+            f"{path}: refused to load: it holds Python objects other than tensors, numbers, "
+            f"strings, lists and dicts ({unsupported[0].strip()}), which could run code; it "
+            "is not a checkpoint of this program. Delete it or train again"
+        ) from err
+    except (OSError, RuntimeError, EOFError, KeyError, ValueError) as err:
+        raise CheckpointError(
+            f"{path}: unreadable checkpoint ({type(err).__name__}: {err}); delete it to start over"
+        ) from err
+    missing = [k for k in CHECKPOINT_KEYS if not isinstance(state, dict) or k not in state]
+    if not missing and not isinstance(state["config"], dict):
+        missing = ["config mapping"]
+    if missing:
+        raise CheckpointError(
+            f"{path}: not a checkpoint of this program (no {', '.join(missing)}); "
+            "delete it or choose another run directory"
+        )
+    return state
+
+
+@contextmanager
+def restoring(path: Path) -> Iterator[None]:
+    """Around ``load_state_dict`` calls: a state that does not fit (keys, shapes, types)
+    raises :class:`CheckpointError` naming ``path`` instead of a deep traceback."""
+    try:
+        yield
+    except (RuntimeError, KeyError, ValueError, TypeError, IndexError) as err:
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(
+            f"{path}: does not fit this model or optimiser ({first_line}); delete it or choose "
+            "another run directory"
         ) from err
 
 
 def rng_state() -> dict[str, Any]:
+    """The python, numpy and torch RNG states as plain lists, numbers and tensors."""
+    version, python_state, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
     return {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "python": {"version": version, "state": list(python_state), "gauss": gauss},
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
         "torch": torch.get_rng_state(),
     }
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    python, numpy = state["python"], state["numpy"]
+    random.setstate((python["version"], tuple(python["state"]), python["gauss"]))
+    np.random.set_state(
+        (
+            numpy["kind"],
+            numpy["keys"].numpy().astype(np.uint32),
+            numpy["pos"],
+            numpy["has_gauss"],
+            numpy["cached_gaussian"],
+        )
+    )
     torch.set_rng_state(state["torch"])
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,8 +20,10 @@ from typing import Any
 
 import yaml
 
+from schnet_ipu.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError, ValueError):
     """A configuration that cannot run, with a message saying what to change."""
 
 
@@ -222,7 +225,11 @@ def apply_override(cfg: Config, item: str) -> None:
 
 
 def validate(cfg: Config) -> None:
-    """Checks that need no data: choices, signs, and combinations that cannot work."""
+    """Checks that need no data: finite numbers, choices, signs, and combinations that
+    cannot work."""
+    for dotted, value in _numbers(cfg, ""):
+        if not math.isfinite(value):
+            raise ConfigError(f"{dotted} = {value!r} is not a finite number; give a real value")
     for dotted, choices in CHOICES.items():
         value = _get(cfg, dotted)
         if value not in choices:
@@ -316,6 +323,18 @@ def _convert(value: Any, hint: Any, dotted: str) -> Any:
     elif hint is str and isinstance(value, str):
         return value
     raise ConfigError(f"{dotted} expects {hint.__name__}, got {value!r} ({type(value).__name__})")
+
+
+def _numbers(node: Any, prefix: str) -> list[tuple[str, float]]:
+    """(dotted key, value) of every float in a config, nested sections included."""
+    found = []
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        if dataclasses.is_dataclass(value):
+            found += _numbers(value, f"{prefix}{f.name}.")
+        elif isinstance(value, float):
+            found.append((prefix + f.name, value))
+    return found
 
 
 def _get(cfg: Config, dotted: str) -> Any:

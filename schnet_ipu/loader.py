@@ -27,13 +27,14 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from schnet_ipu.batch import Batch
 from schnet_ipu.data import MoleculeStore
 from schnet_ipu.data.graphs import within_cutoff
+from schnet_ipu.errors import UserError
 from schnet_ipu.packing import PackPlan, assign_packs
 
 PADDING_SPACING = 100.0  # Angstrom between padding atoms; far beyond any cutoff
 PADDING_ORIGIN = 1000.0  # Angstrom; padding atoms sit on a line starting here
 
 
-class LoaderError(RuntimeError):
+class LoaderError(UserError, RuntimeError):
     """A batch could not be built or changed shape mid-run."""
 
 

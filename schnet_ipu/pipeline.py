@@ -16,7 +16,13 @@ import numpy as np
 
 from schnet_ipu.baseline import element_counts, fit_dressed_atoms, predict_dressed_atoms
 from schnet_ipu.config import Config, ConfigError
-from schnet_ipu.data import MoleculeStore, edge_counts, ensure_store, load_or_make_split
+from schnet_ipu.data import (
+    MoleculeStore,
+    StoreError,
+    edge_counts,
+    ensure_store,
+    load_or_make_split,
+)
 from schnet_ipu.loader import Layout, PackedDataset, PackedLoader
 from schnet_ipu.packing import PackingError, PackPlan, plan_packing
 
@@ -77,6 +83,8 @@ def prepare_data(cfg: Config) -> PreparedData:
             split = load_or_make_split(
                 store.path, len(store), cfg.data.val, cfg.data.test, cfg.seed, cfg.data.subset
             )
+        except StoreError:
+            raise  # a damaged split file: its message names the file
         except ValueError as err:
             raise ConfigError(f"{err}; change data.subset, data.val or data.test") from err
         for name in SPLITS:
@@ -135,6 +143,19 @@ def plan_splits(
 
     def plan(name: str, max_nodes: int, max_edges: int, max_graphs: int) -> PackPlan:
         index = split[name]
+        limits = (
+            (store.num_atoms, max_nodes, "atoms", "max_nodes"),
+            (edges, max_edges, "edges", "max_edges"),
+        )
+        for sizes, limit, what, option in limits:
+            too_big = index[sizes[index] > limit] if limit and sizes is not None else index[:0]
+            if len(too_big):  # named by store index and record id, not position in the split
+                i = int(too_big[0])
+                raise ConfigError(
+                    f"{store.record_name(i)} ({name} split) has {sizes[i]} {what}, more than "
+                    f"packing.{option}={limit} ({len(too_big)} molecule(s) too large); raise "
+                    f"packing.{option} to at least {sizes[index].max()}"
+                )
         try:
             return plan_packing(
                 store.num_atoms[index],

@@ -4,6 +4,11 @@
 ``final`` (and ``stage`` for the timings of data preparation). Epoch records carry
 ``epoch``, ``train_loss``, ``val_mae``, ``molecules_per_s``; the final record carries
 ``test_mae``, ``test_rmse``, ``baseline_test_mae``, ``unit``, ``wall_seconds``.
+
+Each record is flushed to disk (fsync) before ``write`` returns, so the training loop writes
+an epoch's record before the checkpoint that claims the epoch. A crash can leave at most a
+torn last line: reading skips it with a warning and :func:`truncate_after` (run on resume)
+drops it, rewriting the log atomically.
 """
 
 from __future__ import annotations
@@ -11,10 +16,12 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from pathlib import Path
 from typing import Any
 
 from schnet_ipu.config import Config, ConfigError
+from schnet_ipu.errors import RunDirError
 
 log = logging.getLogger("schnet_ipu")
 
@@ -44,6 +51,8 @@ class RunLog:
         record = {"kind": kind, **{k: _plain(v) for k, v in fields.items()}}
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
         if self.wandb is not None:
             numbers = {f"{kind}/{k}": v for k, v in record.items() if isinstance(v, (int, float))}
             self.wandb.log(numbers)
@@ -54,14 +63,34 @@ class RunLog:
 
 
 def read_records(path: Path, kind: str | None = None) -> list[dict[str, Any]]:
+    """Records of ``path`` (of one ``kind`` if given). A torn last line (a crash mid-write)
+    is skipped with a warning; a damaged line before it raises :class:`RunDirError`."""
     if not path.exists():
         return []
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = path.read_text().splitlines(keepends=True)
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict) or "kind" not in record:
+                raise ValueError("not a record object with a 'kind'")
+        except ValueError as err:
+            if number == len(lines) and not line.endswith("\n"):
+                log.warning("%s: line %d is torn (a crash mid-write); skipping it", path, number)
+                break
+            raise RunDirError(
+                f"{path}: line {number} is not a metrics record ({err}); remove that line "
+                "or the run directory"
+            ) from err
+        records.append(record)
     return [r for r in records if kind is None or r["kind"] == kind]
 
 
 def truncate_after(path: Path, epoch: int, call: int) -> None:
-    """On resume, drop records written after the checkpoint (they will be written again)."""
+    """On resume, drop records written after the checkpoint (they will be written again) and
+    a torn last line; the log is replaced atomically (temp file, fsync, rename)."""
     kept = [
         r
         for r in read_records(path)
@@ -69,7 +98,12 @@ def truncate_after(path: Path, epoch: int, call: int) -> None:
         or (r["kind"] == "epoch" and r["epoch"] < epoch)
         or (r["kind"] == "step" and (r["epoch"], r["call"]) < (epoch, call))
     ]
-    path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with tmp.open("w") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in kept))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def plot_learning_curve(metrics_path: Path, out: Path, unit: str) -> None:

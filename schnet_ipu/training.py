@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import errno
 import functools
 import logging
 import math
+import os
 import shutil
 import signal
 import time
@@ -37,11 +39,13 @@ from schnet_ipu.backends.distributed import (
 from schnet_ipu.checkpoint import (
     check_same_run,
     load_checkpoint,
+    restoring,
     rng_state,
     save_checkpoint,
     set_rng_state,
 )
 from schnet_ipu.config import Config, ConfigError, config_from_dict
+from schnet_ipu.errors import CheckpointError, UserError
 from schnet_ipu.loader import PackedLoader
 from schnet_ipu.model import SchNet, masked_mse
 from schnet_ipu.pipeline import PreparedData, make_loader, prepare_data
@@ -50,7 +54,7 @@ from schnet_ipu.runlog import RunLog, plot_learning_curve, read_records, truncat
 log = logging.getLogger("schnet_ipu")
 
 
-class TrainingError(RuntimeError):
+class TrainingError(UserError, RuntimeError):
     """Training cannot go on (a non-finite loss, say); the last good checkpoint is kept."""
 
 
@@ -90,9 +94,6 @@ def run(cfg: Config) -> None:
     resume = load_checkpoint(last_path) if last_path.exists() else None
     if resume is not None:
         check_same_run(resume["config"], cfg.to_dict(), run_dir)
-    if main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(cfg.to_yaml())
 
     if cfg.backend.threads:
         torch.set_num_threads(cfg.backend.threads)
@@ -111,14 +112,21 @@ def run(cfg: Config) -> None:
 
     start_epoch, start_call, best_mae = 0, 0, math.inf
     if resume is not None:
-        model.load_state_dict(resume["model"])
-        optimizer.load_state_dict(resume["optimizer"])
-        scheduler.load_state_dict(resume["scheduler"])
-        set_rng_state(resume["rng"])
-        start_epoch, start_call, best_mae = resume["epoch"], resume["call"], resume["best_mae"]
+        with restoring(last_path):
+            model.load_state_dict(resume["model"])
+            optimizer.load_state_dict(resume["optimizer"])
+            scheduler.load_state_dict(resume["scheduler"])
+            set_rng_state(resume["rng"])
+            start_epoch, start_call = int(resume["epoch"]), int(resume["call"])
+            best_mae = float(resume["best_mae"])
         log.info("resuming %s at epoch %d, host call %d", run_dir, start_epoch, start_call)
-        if main:
+    if main:  # bad data or a bad checkpoint stopped the run above, before any write here
+        if resume is None:  # records of a run that crashed before its first checkpoint
+            (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+        else:  # records after the checkpoint will be written again; a torn line goes
             truncate_after(run_dir / "metrics.jsonl", start_epoch, start_call)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(cfg.to_yaml())
     runlog = RunLog(run_dir, cfg) if main else None
     if runlog is not None and resume is None:
         runlog.write("stage", **{f"{k}_seconds": v for k, v in data.timings.items()})
@@ -155,9 +163,6 @@ def run(cfg: Config) -> None:
             scheduler.step(val.mae)
         improved = val.mae < best_mae
         best_mae = min(best_mae, val.mae)
-        checkpoint(last_path, epoch + 1, 0)
-        if improved:
-            checkpoint(best_path, epoch + 1, 0)
         if runlog is not None:
             runlog.write(
                 "epoch",
@@ -181,6 +186,11 @@ def run(cfg: Config) -> None:
                 data.unit,
                 train_stats["molecules_per_s"],
             )
+        # the record is on disk before a checkpoint claims the epoch, and best.pt before
+        # last.pt, so a crash between any two writes loses nothing on resume
+        if improved:
+            checkpoint(best_path, epoch + 1, 0)
+        checkpoint(last_path, epoch + 1, 0)
 
     if replica.world_size > 1:
         dist.barrier()
@@ -436,14 +446,18 @@ def load_run(run_dir: Path, checkpoint: str = "best") -> tuple[Config, PreparedD
     if not ckpt_path.exists():
         raise ConfigError(f"{run_dir} has no {checkpoint} checkpoint ({ckpt_path}); train first")
     state = load_checkpoint(ckpt_path)
-    cfg = config_from_dict(state["config"])
+    try:
+        cfg = config_from_dict(state["config"])
+    except ConfigError as err:
+        raise CheckpointError(f"{ckpt_path}: the config it holds is not valid here: {err}") from err
     if not config_path.exists():
         log.warning("%s is missing; using the config stored in the checkpoint", config_path)
     cfg.backend.replicas = 1
     cfg.loader.workers = 0
     data = prepare_data(cfg)
     model = build_model(cfg, data)
-    model.load_state_dict(state["model"])
+    with restoring(ckpt_path):
+        model.load_state_dict(state["model"])
     backend = make_backend(
         cfg.backend, model, torch.optim.Adam(model.parameters()), None, 0.0, ReplicaInfo()
     )
@@ -466,15 +480,22 @@ def evaluate_run(run_dir: Path, split: str = "test") -> dict:
 
 def predict_run(run_dir: Path, split: str, out: Path) -> int:
     """Write index, target, prediction, error per molecule (the store's own target) to CSV."""
+    if not out.parent.is_dir():  # before the slow part, and naming ``out``, not a temp file
+        raise FileNotFoundError(errno.ENOENT, "no such folder", str(out))
     cfg, data, backend = load_run(run_dir)
     raw = data.store.target(cfg.data.target)
     rows = 0
-    with out.open("w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["index", "target", "prediction", "error", "unit"])
-        for index, prediction, target in predictions(backend, make_loader(cfg, data, split)):
-            shift = raw[index] - target  # the atom references subtracted from the target
-            for i, p, t in zip(index, prediction + shift, target + shift, strict=True):
-                writer.writerow([int(i), f"{t:.6f}", f"{p:.6f}", f"{p - t:.6f}", data.unit])
-                rows += 1
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")  # out appears whole or not at all
+    try:
+        with tmp.open("w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["index", "target", "prediction", "error", "unit"])
+            for index, prediction, target in predictions(backend, make_loader(cfg, data, split)):
+                shift = raw[index] - target  # the atom references subtracted from the target
+                for i, p, t in zip(index, prediction + shift, target + shift, strict=True):
+                    writer.writerow([int(i), f"{t:.6f}", f"{p:.6f}", f"{p - t:.6f}", data.unit])
+                    rows += 1
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
     return rows

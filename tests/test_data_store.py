@@ -81,7 +81,7 @@ def test_concatenated_input_and_symbols(tmp_path):
     ("change", "message"),
     [
         ("nan", "record 12 (molecule 2) has non-finite"),
-        ("element", "record 11 (molecule 1): unknown element symbol 'Xx'"),
+        ("element", "record 11 (molecule 1) has an unknown element symbol 'Xx'"),
         ("empty", "record 13 (molecule 3) has no atoms"),
     ],
 )

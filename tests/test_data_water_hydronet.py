@@ -121,4 +121,4 @@ def test_ensure_store_and_cli(tmp_path, capsys):
     assert cli(["stats", str(tmp_path / "q.h5"), "--cutoff", "6", "--png", str(png)]) == 0
     out = capsys.readouterr().out
     assert "20 molecules" in out and "sparsity" in out and png.stat().st_size > 1000
-    assert cli(["stats", str(tmp_path / "nope.h5")]) == 1
+    assert cli(["stats", str(tmp_path / "nope.h5")]) == 2

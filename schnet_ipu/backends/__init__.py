@@ -28,6 +28,7 @@ from schnet_ipu.backends.distributed import (
 )
 from schnet_ipu.backends.torch_backend import LossFn, RecompilationError, TorchBackend
 from schnet_ipu.config import BackendConfig
+from schnet_ipu.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ __all__ = [
 ]
 
 
-class DeviceError(RuntimeError):
+class DeviceError(UserError, RuntimeError):
     """The requested device cannot be used here."""
 
 

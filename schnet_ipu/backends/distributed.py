@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -31,6 +32,7 @@ from torch import Tensor, nn
 
 from schnet_ipu.backends.shared_memory import SharedMemoryReduction
 from schnet_ipu.config import BackendConfig
+from schnet_ipu.errors import EXIT_USER_ERROR, UserError
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 _spawn_barrier = None  # the barrier of the replicas spawned together with this process
@@ -136,9 +138,10 @@ def launch_replicas(fn: Callable[..., Any], replicas: int, *args: Any) -> None:
     Under torchrun (or with one replica) this process is the replica and ``fn`` runs in it.
     Otherwise R processes are spawned, each with 1/R of the host's intra-op threads; ``fn``
     and ``args`` must be picklable. If any child
-    fails, the others are terminated and the child's error is raised here
-    (``torch.multiprocessing.ProcessRaisedException``), so a crash never leaves the parent
-    waiting on a collective.
+    fails, the others are terminated and the child's error is raised here: a
+    :class:`~schnet_ipu.errors.UserError` as itself (one line at the command's boundary),
+    anything else as ``torch.multiprocessing.ProcessRaisedException`` with its traceback; a
+    crash never leaves the parent waiting on a collective.
     """
     if under_torchrun():
         fn(int(os.environ["RANK"]), *args)
@@ -147,8 +150,13 @@ def launch_replicas(fn: Callable[..., Any], replicas: int, *args: Any) -> None:
         fn(0, *args)
         return
     context = spawn_replicas(fn, replicas, *args)
-    while not context.join():
-        pass
+    try:
+        while not context.join():
+            pass
+    except mp.ProcessExitedException:
+        if context.user_errors.empty():
+            raise
+        raise context.user_errors.get() from None
 
 
 def spawn_replicas(fn: Callable[..., Any], replicas: int, *args: Any) -> mp.ProcessContext:
@@ -156,16 +164,28 @@ def spawn_replicas(fn: Callable[..., Any], replicas: int, *args: Any) -> mp.Proc
     port, 1/R of the host's threads each) and return at once; ``context.join()`` waits and
     raises a child's error."""
     port = free_port()
-    barrier = mp.get_context("spawn").Barrier(replicas)
+    spawn = mp.get_context("spawn")
+    barrier = spawn.Barrier(replicas)
+    user_errors = spawn.SimpleQueue()
     context = mp.spawn(
-        _replica_main, args=(fn, replicas, port, barrier, args), nprocs=replicas, join=False
+        _replica_main,
+        args=(fn, replicas, port, barrier, user_errors, args),
+        nprocs=replicas,
+        join=False,
     )
     context.barrier = barrier  # the children find its semaphores by name while it lives
+    context.user_errors = user_errors  # a child's UserError, passed whole to the parent
     return context
 
 
 def _replica_main(
-    rank: int, fn: Callable[..., Any], replicas: int, port: int, barrier, args: tuple[Any, ...]
+    rank: int,
+    fn: Callable[..., Any],
+    replicas: int,
+    port: int,
+    barrier,
+    user_errors,
+    args: tuple[Any, ...],
 ) -> None:
     global _spawn_barrier
     _spawn_barrier = barrier
@@ -177,7 +197,11 @@ def _replica_main(
         MASTER_PORT=str(port),
     )
     torch.set_num_threads(max(1, torch.get_num_threads() // replicas))  # share the host's cores
-    fn(rank, *args)
+    try:
+        fn(rank, *args)
+    except UserError as err:  # the parent reports it as one line, not a child's traceback
+        user_errors.put(err)
+        sys.exit(EXIT_USER_ERROR)
 
 
 def trainable_grads(model: nn.Module) -> list[Tensor]:

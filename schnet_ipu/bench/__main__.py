@@ -9,8 +9,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import sys
 
 from schnet_ipu.bench.common import QM9_STORE, write_report
+from schnet_ipu.errors import run_cli
 
 SUITES = ("throughput", "ablation", "batching", "loader", "scaling")
 
@@ -31,4 +33,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_cli(main))

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from schnet_ipu.errors import positive_float, run_cli
+
 from . import (
     MoleculeStore,
     StoreError,
@@ -40,21 +42,20 @@ def main(argv: list[str] | None = None) -> int:
     imp.add_argument("--clusters", type=int, default=2000, help="water: number of clusters")
     imp.add_argument("--sizes", type=int, nargs=2, default=(3, 30), metavar=("MIN", "MAX"))
     imp.add_argument("--seed", type=int, default=0)
+    imp.add_argument(
+        "--skip-invalid",
+        action="store_true",
+        help="drop and list records with unknown elements or non-finite values (else refuse)",
+    )
     stats = commands.add_parser("stats", help="node and edge histograms of a store")
     stats.add_argument("store", type=Path)
-    stats.add_argument("--cutoff", type=float, default=6.0)
+    stats.add_argument("--cutoff", type=positive_float, default=6.0)
     stats.add_argument("--png", type=Path, default=None, help="default: <store>.stats.png")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        if args.command == "import":
-            run_import(args)
-        else:
-            print_stats(args.store, args.cutoff, args.png)
-    except (StoreError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    return 0
+    if args.command == "import":
+        return run_cli(lambda: run_import(args))
+    return run_cli(lambda: print_stats(args.store, args.cutoff, args.png))
 
 
 def run_import(args: argparse.Namespace) -> None:
@@ -62,11 +63,13 @@ def run_import(args: argparse.Namespace) -> None:
         raise StoreError(f"import {args.source} needs --raw-dir")
     start = time.perf_counter()
     if args.source == "qm9":
-        import_qm9(args.out, limit=args.limit)
+        import_qm9(args.out, limit=args.limit, skip_invalid=args.skip_invalid)
     elif args.source == "qm9-raw":
-        import_qm9_raw(args.raw_dir, args.out)
+        import_qm9_raw(args.raw_dir, args.out, skip_invalid=args.skip_invalid)
     elif args.source == "hydronet":
-        import_hydronet(args.raw_dir, args.out, args.subset, seed=args.seed)
+        import_hydronet(
+            args.raw_dir, args.out, args.subset, seed=args.seed, skip_invalid=args.skip_invalid
+        )
     else:
         generate_water(args.out, args.clusters, args.sizes, seed=args.seed)
     store = MoleculeStore(args.out)
@@ -74,6 +77,10 @@ def run_import(args: argparse.Namespace) -> None:
         f"{args.out}: {len(store)} molecules, {int(store.num_atoms.sum())} atoms, "
         f"{args.out.stat().st_size / 1e6:.1f} MB, {time.perf_counter() - start:.1f} s"
     )
+    skipped = store.attrs.get("skipped_records")
+    if skipped is not None:
+        ids = ", ".join(str(int(i)) for i in np.atleast_1d(skipped))
+        print(f"skipped {np.size(skipped)} invalid record(s) (ids {ids}); see the warnings above")
 
 
 def histogram_lines(values: np.ndarray, bins: int = 20, width: int = 50) -> list[str]:

@@ -34,11 +34,13 @@ def import_hydronet(
     subset: str = "small",
     seed: int = 0,
     sample_size: int = SMALL_SIZE,
+    skip_invalid: bool = False,
 ) -> Path:
     """Import a HydroNet subset ("large", "medium" or "small") into a store at ``out``.
 
     "small" draws ``sample_size`` clusters (seeded) from the medium ones; when fewer exist
-    it takes them all and logs a warning. Target ``energy`` in kcal/mol.
+    it takes them all and logs a warning. Target ``energy`` in kcal/mol. ``skip_invalid``
+    drops (and lists) invalid records instead of refusing the import.
     """
     raw_dir = Path(raw_dir)
     if subset not in SUBSETS:
@@ -96,6 +98,7 @@ def import_hydronet(
             "ids": "waters * 10**8 + row in W{waters}_geoms_all.npz",
         },
         origin=str(raw_dir),
+        skip_invalid=skip_invalid,
     )
     log.info("wrote %s: HydroNet %s, %d of %d clusters", path, subset, len(counts), total)
     return path

@@ -75,8 +75,11 @@ def atomrefs_ev() -> dict[str, np.ndarray]:
     return out
 
 
-def import_qm9(out: str | Path, limit: int | None = None, progress: bool = True) -> Path:
-    """Import QM9 from qm9pack into a store at ``out``; ``limit`` keeps the first N rows."""
+def import_qm9(
+    out: str | Path, limit: int | None = None, progress: bool = True, skip_invalid: bool = False
+) -> Path:
+    """Import QM9 from qm9pack into a store at ``out``; ``limit`` keeps the first N rows;
+    ``skip_invalid`` drops (and lists) invalid records instead of refusing the import."""
     folder = qm9pack_dir()
     ids, counts, symbols, coords = [], [], [], []
     columns = {name: [] for name in TARGETS}
@@ -106,7 +109,8 @@ def import_qm9(out: str | Path, limit: int | None = None, progress: bool = True)
     bar.close()
     z = np.array(",".join(s for s in symbols if s).split(","))
     pos = _parse_floats(",".join(c for c in coords if c), folder).reshape(-1, 3)
-    return _write_qm9(out, ids, counts, z, pos, columns, "qm9pack", _qm9pack_version(), folder)
+    version = _qm9pack_version()
+    return _write_qm9(out, ids, counts, z, pos, columns, "qm9pack", version, folder, skip_invalid)
 
 
 def _qm9pack_rows(folder: Path, limit: int | None) -> Iterator[tuple[str, int, dict[str, str]]]:
@@ -141,7 +145,7 @@ def _parse_floats(text: str, where: Path) -> np.ndarray:
         raise StoreError(f"{where}: bad coordinate value: {err}") from err
 
 
-def _write_qm9(out, ids, counts, z, pos, columns, source, version, origin) -> Path:
+def _write_qm9(out, ids, counts, z, pos, columns, source, version, origin, skip_invalid) -> Path:
     """Sort by gdb id and write; shared by both importers."""
     ids = np.asarray(ids, dtype=np.int64)
     counts = np.asarray(counts, dtype=np.int64)
@@ -164,12 +168,15 @@ def _write_qm9(out, ids, counts, z, pos, columns, source, version, origin) -> Pa
         attrs={"source": source, "source_version": version, "synthetic": False},
         atomrefs=atomrefs_ev(),
         origin=str(origin),
+        skip_invalid=skip_invalid,
     )
     log.info("wrote %s: %d molecules, %d atoms", path, len(ids), offsets[-1])
     return path
 
 
-def import_qm9_raw(raw_dir: str | Path, out: str | Path, progress: bool = True) -> Path:
+def import_qm9_raw(
+    raw_dir: str | Path, out: str | Path, progress: bool = True, skip_invalid: bool = False
+) -> Path:
     """Import QM9 from PyG's raw files (gdb9.sdf, gdb9.sdf.csv, uncharacterized.txt).
 
     Uncharacterized molecules are skipped (as PyG does); the csv's energies are Hartree.
@@ -198,7 +205,9 @@ def import_qm9_raw(raw_dir: str | Path, out: str | Path, progress: bool = True) 
         coords.extend(xyz)
     z = np.array(symbols, dtype=str)
     pos = np.array(coords, dtype=np.float64).reshape(-1, 3)
-    return _write_qm9(out, ids, counts, z, pos, columns, "qm9-raw", "pyg-raw", raw_dir)
+    return _write_qm9(
+        out, ids, counts, z, pos, columns, "qm9-raw", "pyg-raw", raw_dir, skip_invalid
+    )
 
 
 def _read_uncharacterized(path: Path) -> set[int]:

@@ -1,4 +1,8 @@
-"""Train/val/test splits: random over molecules, drawn from a seed, saved beside the store."""
+"""Train/val/test splits: random over molecules, drawn from a seed, saved beside the store.
+
+A saved split is checked before use: every index an integer in range, no duplicates, no
+molecule in two parts. A damaged file is refused with a message naming it (never trained on).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,8 @@ import os
 from pathlib import Path
 
 import numpy as np
+
+from .store import StoreError
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +55,37 @@ def make_split(
     return {name: np.sort(part).astype(np.int64) for name, part in parts.items()}
 
 
+def check_split(path: Path, parts: dict[str, object], num_molecules: int) -> dict[str, np.ndarray]:
+    """The saved ``parts`` as int64 arrays, or :class:`StoreError` naming ``path`` and what is
+    wrong: non-integers, indices out of range, duplicates, overlap between parts."""
+    arrays: dict[str, np.ndarray] = {}
+    for name, values in parts.items():
+        array = np.asarray(values)
+        if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
+            _refuse(path, f"the {name} part is not a list of integer indices")
+        array = array.astype(np.int64)
+        outside = array[(array < 0) | (array >= num_molecules)]
+        if outside.size:
+            _refuse(
+                path,
+                f"the {name} part holds index {int(outside[0])}, outside the store's "
+                f"0..{num_molecules - 1}",
+            )
+        unique, counts = np.unique(array, return_counts=True)
+        if np.any(counts > 1):
+            _refuse(path, f"the {name} part holds index {int(unique[counts > 1][0])} twice")
+        for other, indices in arrays.items():
+            both = np.intersect1d(indices, array)
+            if both.size:
+                _refuse(path, f"index {int(both[0])} is in both the {other} and {name} parts")
+        arrays[name] = np.sort(array)
+    return arrays
+
+
+def _refuse(path: Path, problem: str) -> None:
+    raise StoreError(f"{path}: damaged split file: {problem}; delete it to draw the split again")
+
+
 def load_or_make_split(
     store_path: str | Path,
     num_molecules: int,
@@ -62,13 +99,17 @@ def load_or_make_split(
     params = {"num_molecules": num_molecules, "val": val, "test": test, "seed": seed}
     params["subset"] = subset
     if path.is_file():
+        parts = None
         try:
             saved = json.loads(path.read_text())
             if saved["params"] == params:
-                return {k: np.asarray(saved[k], dtype=np.int64) for k in ("train", "val", "test")}
-            log.warning("%s holds a split for %s; drawing it again", path, saved["params"])
+                parts = {k: saved[k] for k in ("train", "val", "test")}
+            else:
+                log.warning("%s holds a split for %s; drawing it again", path, saved["params"])
         except (ValueError, KeyError, TypeError) as err:
             log.warning("%s is unreadable (%s); drawing the split again", path, err)
+        if parts is not None:
+            return check_split(path, parts, num_molecules)
     split = make_split(num_molecules, val, test, seed, subset)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     tmp.write_text(json.dumps({"params": params, **{k: v.tolist() for k, v in split.items()}}))

@@ -17,11 +17,19 @@ Reads are lazy and per process: :class:`MoleculeStore` keeps only small metadata
 first molecule is read, opens the file then, and re-opens it after a fork. A cache miss reads
 the whole compressed chunk(s) holding the molecule and keeps every molecule inside them in a
 memory cache (the second level after the compressed file).
+
+Validation: :func:`write_store` checks every record (atomic numbers 1-118, finite
+coordinates and targets, non-empty molecules) and refuses the file, or drops and lists the
+bad records with ``skip_invalid``. Opening checks the cheap invariants (schema, shapes,
+offsets); reading checks what it reads without extra passes over the file: ``target`` its
+values, ``concatenated`` (which every run goes through) the atoms. Errors name the file,
+the store index and the record id.
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -29,6 +37,10 @@ from typing import Any
 
 import h5py
 import numpy as np
+
+from schnet_ipu.errors import UserError
+
+log = logging.getLogger(__name__)
 
 SCHEMA = "schnet-ipu-molecule-store"
 SCHEMA_VERSION = 1
@@ -53,7 +65,7 @@ MOLECULE_CHUNK = 65536
 COMPRESSION = "lzf"
 
 
-class StoreError(ValueError):
+class StoreError(UserError, ValueError):
     """A store (or the input for one) that cannot be used; the message names the file."""
 
 
@@ -72,6 +84,7 @@ def write_store(
     forces: Sequence[Any] | np.ndarray | None = None,
     forces_unit: str = "",
     origin: str | None = None,
+    skip_invalid: bool = False,
 ) -> Path:
     """Validate molecules and write them atomically (temp file in the same folder, renamed).
 
@@ -80,7 +93,8 @@ def write_store(
     symbols ("C"). ``targets[name]`` is [M]; ``units[name]`` its unit. ``ids`` [M] default to
     0..M-1. ``forces`` (optional) are per-atom like ``pos`` ([A, 3], or per-molecule
     [n_i, 3]) in ``forces_unit``. ``origin`` names the source files in error messages.
-    Nothing is written when any check fails.
+    Nothing is written when any check fails; with ``skip_invalid`` the bad records are dropped instead, listed in a
+    warning and in the ``skipped_records`` attribute (their ids).
     """
     path = Path(path)
     where = f"{origin or path}"
@@ -101,30 +115,39 @@ def write_store(
         raise StoreError(f"{where}: offsets must start at 0 and not decrease (M >= 1)")
     if len(ids) != num_molecules:
         raise StoreError(f"{where}: {len(ids)} ids for {num_molecules} molecules")
-    empty = np.flatnonzero(np.diff(offsets) == 0)
-    if len(empty):
-        raise StoreError(f"{record(empty[0])} has no atoms")
-    z_num = _atomic_numbers(np.asarray(z).reshape(-1), offsets, record)
+    labels = np.asarray(z).reshape(-1)
+    z_num = _atomic_numbers(labels)
     pos_arr = np.asarray(pos, dtype=np.float32)
     if pos_arr.shape != (offsets[-1], 3) or len(z_num) != offsets[-1]:
         raise StoreError(
             f"{where}: expected {offsets[-1]} atoms (z [A], pos [A, 3]), got z {len(z_num)}, "
             f"pos {pos_arr.shape}"
         )
-    bad = np.flatnonzero(~np.isfinite(pos_arr).all(axis=1))
-    if len(bad):
-        mol = int(np.searchsorted(offsets, bad[0], side="right") - 1)
-        raise StoreError(f"{record(mol)} has non-finite (NaN/inf) coordinates")
-    forces_arr = None
-    if forces is not None:
-        forces_arr = np.asarray(forces, dtype=np.float32)
-        if forces_arr.shape != pos_arr.shape:
-            raise StoreError(f"{where}: forces {forces_arr.shape} do not match pos {pos_arr.shape}")
-        bad = np.flatnonzero(~np.isfinite(forces_arr).all(axis=1))
-        if len(bad):
-            mol = int(np.searchsorted(offsets, bad[0], side="right") - 1)
-            raise StoreError(f"{record(mol)} has non-finite (NaN/inf) forces")
-    target_arrays = _check_targets(targets, units, num_molecules, ids, where)
+    forces_arr = None if forces is None else np.asarray(forces, dtype=np.float32)
+    if forces_arr is not None and forces_arr.shape != pos_arr.shape:
+        raise StoreError(f"{where}: forces {forces_arr.shape} do not match pos {pos_arr.shape}")
+    target_arrays = _check_targets(targets, units, num_molecules, where)
+    bad = invalid_records(z_num, pos_arr, offsets, target_arrays, labels, forces_arr)
+    if bad and not skip_invalid:
+        first = min(bad)
+        raise StoreError(
+            f"{record(first)} {bad[first]} ({len(bad)} bad record(s) in all); fix the source "
+            "or import with --skip-invalid to drop them"
+        )
+    if bad:
+        for i in sorted(bad):
+            log.warning("skipped %s %s", record(i), bad[i])
+        if len(bad) == num_molecules:
+            raise StoreError(f"{where}: every record is invalid; nothing to write")
+        keep = np.setdiff1d(np.arange(num_molecules), sorted(bad))
+        atoms = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in keep])
+        z_num, pos_arr = z_num[atoms], pos_arr[atoms]
+        forces_arr = None if forces_arr is None else forces_arr[atoms]
+        target_arrays = {name: values[keep] for name, values in target_arrays.items()}
+        attrs = {**(attrs or {}), "skipped_records": ids[sorted(bad)]}
+        ids = ids[keep]
+        offsets = np.concatenate([[0], np.cumsum(np.diff(offsets)[keep])])
+        num_molecules = len(keep)
     ref_arrays = {}
     for name, ref in (atomrefs or {}).items():
         ref = np.asarray(ref, dtype=np.float64)
@@ -176,26 +199,77 @@ def _per_atom(per_molecule: Sequence[Any]) -> np.ndarray:
     return np.concatenate([np.asarray(p, dtype=np.float32).reshape(-1, 3) for p in per_molecule])
 
 
-def _atomic_numbers(z: np.ndarray, offsets: np.ndarray, record) -> np.ndarray:
-    """Symbols or numbers [A] -> int64 atomic numbers [A]; unknown ones name their record."""
+def _atomic_numbers(z: np.ndarray) -> np.ndarray:
+    """Symbols or numbers [A] -> int64 atomic numbers [A]; 0 for an unknown symbol or a
+    non-integral number (:func:`invalid_records` reports those)."""
     if z.dtype.kind in "USO":
         symbols, inverse = np.unique(z.astype(str), return_inverse=True)
         known = np.array([ATOMIC_NUMBER.get(s.strip(), 0) for s in symbols], dtype=np.int64)
-        numbers = known[inverse]
-        if not np.all(numbers):
-            atom = int(np.flatnonzero(numbers == 0)[0])
-            mol = int(np.searchsorted(offsets, atom, side="right") - 1)
-            raise StoreError(f"{record(mol)}: unknown element symbol {str(z[atom])!r}")
-        return numbers
-    numbers = z.astype(np.int64)
-    bad = np.flatnonzero((numbers < 1) | (numbers >= NUM_ELEMENTS) | (numbers != z))
-    if len(bad):
-        mol = int(np.searchsorted(offsets, bad[0], side="right") - 1)
-        raise StoreError(f"{record(mol)}: unknown element (atomic number {z[bad[0]]})")
-    return numbers
+        return known[inverse]
+    numbers = np.where(np.isfinite(z), z, 0).astype(np.int64)
+    return np.where(numbers == z, numbers, 0)
 
 
-def _check_targets(targets, units, num_molecules, ids, where) -> dict[str, np.ndarray]:
+def invalid_records(
+    z: np.ndarray,
+    pos: np.ndarray,
+    offsets: np.ndarray,
+    targets: Mapping[str, np.ndarray] | None = None,
+    labels: np.ndarray | None = None,
+    forces: np.ndarray | None = None,
+) -> dict[int, str]:
+    """Molecule index -> what is wrong with it, for every molecule with no atoms, an atomic
+    number outside 1-118, a non-finite coordinate, force or target.
+
+    z: int [A]; pos: float [A, 3]; offsets: int64 [M + 1]; targets: name -> float [M];
+    labels: [A] the elements as given (symbols or numbers), for the messages; forces: float
+    [A, 3] or None.
+    """
+    labels = z if labels is None else labels
+    reasons: dict[int, str] = {}
+
+    def note(atoms: np.ndarray, describe) -> None:
+        molecules = np.searchsorted(offsets, atoms, side="right") - 1
+        unique, first = np.unique(molecules, return_index=True)
+        for m, atom in np.column_stack((unique, atoms[first])).tolist():
+            reasons.setdefault(m, describe(atom))
+
+    for m in np.flatnonzero(np.diff(offsets) == 0).tolist():
+        reasons[m] = "has no atoms"
+    note(
+        np.flatnonzero((z < 1) | (z >= NUM_ELEMENTS)),
+        lambda atom: _unknown_element(labels[atom]),
+    )
+    note(
+        np.flatnonzero(~np.isfinite(pos).all(axis=1)),
+        lambda atom: "has non-finite (NaN/inf) coordinates",
+    )
+    if forces is not None:
+        note(
+            np.flatnonzero(~np.isfinite(forces).all(axis=1)),
+            lambda atom: "has non-finite (NaN/inf) forces",
+        )
+    for name, values in (targets or {}).items():
+        for m, reason in invalid_targets(name, values).items():
+            reasons.setdefault(m, reason)
+    return reasons
+
+
+def _unknown_element(label: Any) -> str:
+    if isinstance(label, (str, np.str_, bytes)):
+        return f"has an unknown element symbol {str(label).strip()!r}"
+    return f"has an unknown element (atomic number {label}; elements are 1-118)"
+
+
+def invalid_targets(name: str, values: np.ndarray) -> dict[int, str]:
+    """Molecule index -> what is wrong, for each non-finite entry of target ``values`` [M]."""
+    return {
+        m: f"has a non-finite target {name!r} ({values[m]})"
+        for m in np.flatnonzero(~np.isfinite(values)).tolist()
+    }
+
+
+def _check_targets(targets, units, num_molecules, where) -> dict[str, np.ndarray]:
     if set(targets) != set(units):
         raise StoreError(f"{where}: targets {sorted(targets)} and units {sorted(units)} differ")
     arrays = {}
@@ -203,9 +277,6 @@ def _check_targets(targets, units, num_molecules, ids, where) -> dict[str, np.nd
         values = np.asarray(values, dtype=np.float64)
         if values.shape != (num_molecules,):
             raise StoreError(f"{where}: target {name!r} has shape {values.shape}, not [M]")
-        bad = np.flatnonzero(~np.isfinite(values))
-        if len(bad):
-            raise StoreError(f"{where}: record {int(ids[bad[0]])}: target {name!r} is not finite")
         arrays[name] = values
     return arrays
 
@@ -274,6 +345,24 @@ class MoleculeStore:
             raise StoreError(f"{self.path}: inconsistent store (offsets, z, pos, ids disagree)")
         self.attrs: dict[str, Any] = attrs
         self.num_atoms: np.ndarray = np.diff(self.offsets)
+        if self.offsets[0] != 0 or np.any(self.num_atoms <= 0):
+            i = int(np.flatnonzero(self.num_atoms <= 0)[0]) if self.offsets[0] == 0 else 0
+            raise StoreError(
+                f"{self.record_name(i)}: offsets do not give it any atoms (offsets must start at 0 "
+                "and increase); the store is damaged, re-import it"
+            )
+
+    def record_name(self, i: int) -> str:
+        """How errors name molecule i: the file, the store index and the record id."""
+        return f"{self.path}: molecule {i} (record {int(self.ids[i])})"
+
+    def _refuse(self, bad: dict[int, str]) -> None:
+        if bad:
+            first = min(bad)
+            raise StoreError(
+                f"{self.record_name(first)} {bad[first]} ({len(bad)} bad record(s) in all); the "
+                "store is damaged, re-import it (--skip-invalid drops bad records)"
+            )
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -293,7 +382,9 @@ class MoleculeStore:
         """float64 [M] values of one target, in ``unit(name)``."""
         self._check_target(name)
         if name not in self._targets:
-            self._targets[name] = self._file()[f"targets/{name}"][:]
+            values = self._file()[f"targets/{name}"][:]
+            self._refuse(invalid_targets(name, values))
+            self._targets[name] = values
         return self._targets[name]
 
     def atomref(self, name: str) -> np.ndarray | None:
@@ -347,9 +438,12 @@ class MoleculeStore:
         return self._file()["forces"][:]
 
     def concatenated(self) -> tuple[np.ndarray, np.ndarray]:
-        """All atoms at once: (z uint8 [A], pos float32 [A, 3]); split them with ``offsets``."""
+        """All atoms at once: (z uint8 [A], pos float32 [A, 3]); split them with ``offsets``.
+        Checked as read: a bad atomic number or coordinate raises naming its record."""
         f = self._file()
-        return f["z"][:], f["pos"][:]
+        z, pos = f["z"][:], f["pos"][:]
+        self._refuse(invalid_records(z, pos, self.offsets))
+        return z, pos
 
     def _check_target(self, name: str) -> None:
         if name not in self._units:

@@ -12,10 +12,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from schnet_ipu.errors import UserError
+
 Slot = int | tuple[int, int]
 
 
-class PackingError(ValueError):
+class PackingError(UserError, ValueError):
     """Molecules and limits that cannot be packed, with a message saying what to change."""
 
 

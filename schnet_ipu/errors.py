@@ -1,0 +1,97 @@
+"""The project's error hierarchy and the one boundary that turns errors into messages.
+
+Every error a user can fix derives from :class:`UserError`; its message names the culprit
+(file, config key, record) and says what to do. The modules keep their own subclasses
+(``ConfigError``, ``StoreError``, ``PackingError``, ``LoaderError``, ``DeviceError``,
+``TrainingError``, ``CheckpointError``), each also deriving from the builtin it always did.
+
+Every command runs through :func:`run_cli`: a ``UserError`` or an expected OS error (missing
+file, a file where a folder should be, no permission, disk full) becomes one line
+``error: <culprit>: <what is wrong and what to do>`` on stderr and exit code 2; anything else
+is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import math
+import sys
+from collections.abc import Callable
+
+EXIT_USER_ERROR = 2
+
+# Errnos of OSErrors that are the environment's fault, not a bug, besides the subclasses below.
+_EXPECTED_ERRNOS = {
+    errno.ENOSPC: "no space left on the device; free some space and re-run",
+    errno.EDQUOT: "disk quota exceeded; free some space and re-run",
+    errno.EROFS: "read-only file system; choose a writable path",
+}
+_EXPECTED_OS_ERRORS = {
+    FileNotFoundError: "not found; check the path",
+    FileExistsError: "a file is in the way; move it or choose another path",
+    IsADirectoryError: "is a folder, a file was expected; choose a file path",
+    NotADirectoryError: "a file is in the way of a folder; move it or choose another path",
+    PermissionError: "permission denied; check the file's permissions or choose another path",
+}
+
+
+class UserError(Exception):
+    """Bad input or environment the user can fix; the message names the culprit."""
+
+
+class CheckpointError(UserError, ValueError):
+    """A checkpoint file that cannot be used (unreadable, unsafe or from another program)."""
+
+
+class RunDirError(UserError, ValueError):
+    """A run directory's logs that cannot be used as they are."""
+
+
+def describe_os_error(err: OSError) -> str | None:
+    """``<file>: <what is wrong and what to do>`` for an expected OS error, else None."""
+    hint = _EXPECTED_ERRNOS.get(err.errno)
+    if hint is None:
+        hint = next((h for cls, h in _EXPECTED_OS_ERRORS.items() if isinstance(err, cls)), None)
+    if hint is None:
+        return None
+    culprit = err.filename if err.filename is not None else (err.strerror or str(err))
+    return f"{culprit}: {hint}"
+
+
+def user_message(err: BaseException) -> str | None:
+    """The one-line message for a user error or expected OS error, None for anything else."""
+    if isinstance(err, UserError):
+        text = str(err)
+    elif isinstance(err, OSError):
+        text = describe_os_error(err)
+        if text is None:
+            return None
+    else:
+        return None
+    return " ".join(text.split())  # one line, whatever the message held
+
+
+def run_cli(main: Callable[[], object]) -> int:
+    """Run a command's body and return its exit code (its own when it returns an int, else
+    0); user errors -> one line on stderr and exit code 2."""
+    try:
+        result = main()
+        return result if isinstance(result, int) else 0
+    except (UserError, OSError) as err:
+        message = user_message(err)
+        if message is None:
+            raise
+        print(f"error: {message}", file=sys.stderr)
+        return EXIT_USER_ERROR
+
+
+def positive_float(text: str) -> float:
+    """argparse type for lengths such as ``--cutoff``: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value

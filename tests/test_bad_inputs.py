@@ -1,0 +1,418 @@
+"""Bad input of every kind: one line ``error: <culprit>: ...``, exit code 2, no traceback,
+nothing changed on disk (every file hashed before and after), no code run from a file."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import runpy
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from schnet_ipu.data import MoleculeStore, edge_counts, load_or_make_split, write_store
+from schnet_ipu.data.__main__ import main as data_cli
+from schnet_ipu.data.splits import split_path
+from schnet_ipu.errors import run_cli
+
+ROOT = Path(__file__).resolve().parents[1]
+MOLECULES, VAL, TEST = 96, 16, 16
+
+
+def load_train_module():
+    spec = importlib.util.spec_from_file_location("train_cli", ROOT / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+train_cli = load_train_module()
+
+
+def molecules(rng: np.random.Generator, count: int) -> tuple[list, list, np.ndarray]:
+    """``count`` small molecules (3-7 atoms of H, C, N, O, about 1.2 A apart) and a target
+    that depends on their composition."""
+    z, pos = [], []
+    for _ in range(count):
+        n = int(rng.integers(3, 8))
+        z.append(rng.choice([1, 6, 7, 8], size=n))
+        pos.append(np.cumsum(rng.normal(0, 0.7, size=(n, 3)), axis=0))
+    energy = np.array([-10.0 * len(m) + 0.1 * rng.normal() for m in z])
+    return z, pos, energy
+
+
+def make_store(path: Path, seed: int = 0) -> Path:
+    z, pos, energy = molecules(np.random.default_rng(seed), MOLECULES)
+    ids = np.arange(MOLECULES) + 1000  # record ids differ from store indices
+    return write_store(path, z, pos, {"U0": energy}, {"U0": "eV"}, ids=ids, origin="fixture")
+
+
+def config(store: Path, run_dir: Path, *extra: str) -> list[str]:
+    return [
+        f"data.path={store}",
+        f"data.val={VAL}",
+        f"data.test={TEST}",
+        "model.hidden_channels=8",
+        "model.num_filters=8",
+        "model.num_interactions=1",
+        "model.num_gaussians=4",
+        "packing.packs_per_batch=2",
+        "optim.epochs=2",
+        "optim.schedule=constant",
+        "loader.workers=0",
+        "logging.progress=false",
+        "logging.plot=false",
+        "logging.log_every=2",
+        f"logging.run_dir={run_dir}",
+        *extra,
+    ]
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """Relative path -> sha256 of every file under ``root``."""
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+def one_error_line(stderr: str, *culprits: str) -> str:
+    """The single ``error:`` line of ``stderr`` (no traceback), naming every culprit."""
+    assert "Traceback" not in stderr, stderr
+    lines = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1, stderr
+    for culprit in culprits:
+        assert culprit in lines[0], (culprit, lines[0])
+    return lines[0]
+
+
+def refused(capsys, tmp_path: Path, call, *culprits: str) -> str:
+    """Run ``call`` (a CLI main returning an exit code): exit 2, one line naming the
+    culprits, and no file under ``tmp_path`` created, changed or removed."""
+    before = snapshot(tmp_path)
+    capsys.readouterr()
+    assert call() == 2
+    line = one_error_line(capsys.readouterr().err, *culprits)
+    assert snapshot(tmp_path) == before
+    return line
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> tuple[Path, Path]:
+    """A good store and a finished run on it (read-only for the tests)."""
+    root = tmp_path_factory.mktemp("trained")
+    store = make_store(root / "good.h5")
+    run_dir = root / "run"
+    assert train_cli.main(config(store, run_dir)) == 0
+    return store, run_dir
+
+
+@pytest.fixture
+def store(tmp_path) -> Path:
+    """A good store of its own, with its split and edge counts already saved beside it."""
+    path = make_store(tmp_path / "store.h5")
+    load_or_make_split(path, MOLECULES, VAL, TEST, seed=0)
+    edge_counts(path, cutoff=6.0)
+    return path
+
+
+# --- config values -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("override", "culprit"),
+    [
+        ("optim.lr=.nan", "optim.lr"),
+        ("optim.lr=.inf", "optim.lr"),
+        ("model.cutoff=.nan", "model.cutoff"),
+        ("data.val=-.inf", "data.val"),
+        ("optim.lrr=1", "optim.lr"),
+        ("model.cutoff=-1", "model.cutoff"),
+    ],
+)
+def test_bad_config_value(capsys, tmp_path, store, override, culprit):
+    run_dir = tmp_path / "run"
+    refused(capsys, tmp_path, lambda: train_cli.main(config(store, run_dir, override)), culprit)
+
+
+def test_missing_config_file(capsys, tmp_path):
+    missing = tmp_path / "nope.yaml"
+    refused(capsys, tmp_path, lambda: train_cli.main(["--config", str(missing)]), str(missing))
+
+
+# --- store contents ------------------------------------------------------------------------
+
+
+def damage(path: Path, dataset: str, index, value) -> None:
+    with h5py.File(path, "r+") as f:
+        data = f[dataset][:]
+        data[index] = value
+        f[dataset][...] = data
+
+
+@pytest.mark.parametrize(
+    ("dataset", "index", "value", "problem"),
+    [
+        ("pos", (5, 1), np.nan, "non-finite (NaN/inf) coordinates"),
+        ("pos", (5, 0), np.inf, "non-finite (NaN/inf) coordinates"),
+        ("z", 5, 0, "unknown element (atomic number 0"),
+        ("z", 5, 200, "unknown element (atomic number 200"),
+        ("targets/U0", 7, np.nan, "non-finite target 'U0'"),
+    ],
+)
+def test_bad_store_record(capsys, tmp_path, store, dataset, index, value, problem):
+    """A store damaged after import: the run stops before training, naming the file, the
+    store index and the record id."""
+    damage(store, dataset, index, value)
+    atom = index[0] if isinstance(index, tuple) else index
+    offsets = MoleculeStore(store).offsets
+    molecule = (
+        index if dataset.startswith("targets") else int(np.searchsorted(offsets, atom, "right") - 1)
+    )
+    run_dir = tmp_path / "run"
+    line = refused(
+        capsys,
+        tmp_path,
+        lambda: train_cli.main(config(store, run_dir)),
+        str(store),
+        f"molecule {molecule} (record {1000 + molecule})",
+        problem,
+    )
+    assert not run_dir.exists(), line
+
+
+def test_store_with_inconsistent_offsets(capsys, tmp_path, store):
+    with h5py.File(store, "r") as f:
+        offsets = f["offsets"][:]
+    offsets[3] = offsets[2]  # molecule 2 loses its atoms to molecule 3
+    damage(store, "offsets", slice(None), offsets)
+    refused(
+        capsys,
+        tmp_path,
+        lambda: train_cli.main(config(store, tmp_path / "run")),
+        str(store),
+        "molecule 2 (record 1002)",
+    )
+
+
+@pytest.mark.parametrize("content", [b"", b"not hdf5 at all", None])
+def test_unusable_store_file(capsys, tmp_path, content):
+    path = tmp_path / "broken.h5"
+    if content is None:
+        path.mkdir()  # a folder where the store should be
+    else:
+        path.write_bytes(content)
+    refused(capsys, tmp_path, lambda: train_cli.main(config(path, tmp_path / "run")), str(path))
+
+
+def test_stats_refuses_a_bad_cutoff_and_a_damaged_store(capsys, tmp_path, store):
+    with pytest.raises(SystemExit) as exit_:
+        data_cli(["stats", str(store), "--cutoff", "-1"])
+    assert exit_.value.code == 2 and "--cutoff" in capsys.readouterr().err
+    damage(store, "offsets", 1, 0)  # molecule 0 loses its atoms
+    refused(capsys, tmp_path, lambda: data_cli(["stats", str(store)]), str(store), "record 1000")
+
+
+def test_import_refuses_or_skips_invalid_records(capsys, tmp_path):
+    """write_store refuses a source with bad records, naming them; with skip_invalid it
+    drops them and lists their ids."""
+    z, pos, energy = molecules(np.random.default_rng(1), 12)
+    z[3][0] = 0
+    pos[5][1, 2] = np.nan
+    energy[8] = np.inf
+    ids = np.arange(12) + 50
+    out = tmp_path / "imported.h5"
+
+    def write(**kwargs):
+        return run_cli(
+            lambda: write_store(out, z, pos, {"y": energy}, {"y": "eV"}, ids=ids, **kwargs)
+        )
+
+    line = refused(capsys, tmp_path, write, "record 53 (molecule 3)", "3 bad record(s)")
+    assert "--skip-invalid" in line
+    assert write(skip_invalid=True) == 0
+    kept = MoleculeStore(out)
+    assert len(kept) == 9 and 53 not in kept.ids and 55 not in kept.ids and 58 not in kept.ids
+    assert list(kept.attrs["skipped_records"]) == [53, 55, 58]
+    np.testing.assert_array_equal(kept.target("y"), np.delete(energy, [3, 5, 8]))
+    np.testing.assert_array_equal(kept.molecule(3)[0], z[4])  # the next good molecule
+
+
+# --- split files ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("change", "problem"),
+    [
+        (lambda s: s["train"].append(MOLECULES + 5), f"index {MOLECULES + 5}, outside"),
+        (lambda s: s["val"].__setitem__(0, -1), "index -1, outside"),
+        (lambda s: s["train"].append(s["train"][0]), "twice"),
+        (lambda s: s["test"].append(s["train"][0]), "in both the train and test parts"),
+        (lambda s: s["val"].__setitem__(0, 1.5), "not a list of integer indices"),
+    ],
+)
+def test_damaged_split_file(capsys, tmp_path, store, change, problem):
+    path = split_path(store, MOLECULES, VAL, TEST, 0, 0)
+    saved = json.loads(path.read_text())
+    change(saved)
+    path.write_text(json.dumps(saved))
+    refused(
+        capsys,
+        tmp_path,
+        lambda: train_cli.main(config(store, tmp_path / "run")),
+        str(path),
+        problem,
+    )
+
+
+# --- checkpoints and run directories -------------------------------------------------------
+
+
+class RunsCode:
+    """Unpickling this calls os.system, which creates a marker file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def copy_run(run_dir: Path, to: Path) -> Path:
+    for path in run_dir.rglob("*"):
+        if path.is_file():
+            target = to / path.relative_to(run_dir)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(path.read_bytes())
+    return to
+
+
+@pytest.mark.parametrize("command", ["evaluate", "predict", "train"])
+def test_checkpoint_that_would_run_code(capsys, tmp_path, trained, command):
+    store, good_run = trained
+    run_dir = copy_run(good_run, tmp_path / "run")
+    marker = tmp_path / "pwned"
+    name = "last.pt" if command == "train" else "best.pt"
+    state = torch.load(good_run / "checkpoints" / name, weights_only=True)
+    state["model"]["extra"] = RunsCode(marker)
+    torch.save(state, run_dir / "checkpoints" / name)
+    argv = (
+        config(store, run_dir, "optim.epochs=3")
+        if command == "train"
+        else [command, "--run", str(run_dir)]
+    )
+    line = refused(capsys, tmp_path, lambda: train_cli.main(argv), str(run_dir / "checkpoints"))
+    assert "could run code" in line and "weights_only=False" not in line
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        ({"model": {}}, "not a checkpoint of this program"),
+        ([1, 2, 3], "not a checkpoint of this program"),
+        (b"garbage", "unreadable checkpoint"),
+    ],
+)
+def test_foreign_checkpoint(capsys, tmp_path, trained, content, problem):
+    _, good_run = trained
+    run_dir = copy_run(good_run, tmp_path / "run")
+    path = run_dir / "checkpoints/best.pt"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        torch.save(content, path)
+    refused(capsys, tmp_path, lambda: train_cli.main(["evaluate", "--run", str(run_dir)]), problem)
+
+
+def test_checkpoint_that_does_not_fit_the_model(capsys, tmp_path, trained):
+    store, good_run = trained
+    run_dir = copy_run(good_run, tmp_path / "run")
+    for name in ("best.pt", "last.pt"):
+        state = torch.load(good_run / "checkpoints" / name, weights_only=True)
+        key = next(iter(state["model"]))
+        state["model"][key] = torch.zeros(3, 3, 3)
+        torch.save(state, run_dir / "checkpoints" / name)
+    for argv in (["evaluate", "--run", str(run_dir)], config(store, run_dir, "optim.epochs=3")):
+        run = lambda argv=argv: train_cli.main(argv)  # noqa: E731
+        refused(capsys, tmp_path, run, str(run_dir / "checkpoints"), "does not fit")
+
+
+def test_os_errors_are_one_line(capsys, tmp_path, trained, store):
+    _, good_run = trained
+    run_file = tmp_path / "run_is_a_file"
+    run_file.write_text("")
+    refused(capsys, tmp_path, lambda: train_cli.main(config(store, run_file)), str(run_file))
+    out = tmp_path / "missing_folder/predictions.csv"
+    run_dir = copy_run(good_run, tmp_path / "run")
+    argv = ["predict", "--run", str(run_dir), "--out", str(out)]
+    refused(capsys, tmp_path, lambda: train_cli.main(argv), str(out))
+    missing = tmp_path / "no_run"
+    refused(capsys, tmp_path, lambda: train_cli.main(["evaluate", "--run", str(missing)]), "no_run")
+
+
+def test_damaged_metrics_line_is_named(capsys, tmp_path, trained):
+    store, good_run = trained
+    run_dir = copy_run(good_run, tmp_path / "run")
+    metrics = run_dir / "metrics.jsonl"
+    lines = metrics.read_text().splitlines(keepends=True)
+    lines[1] = "{not json\n"
+    metrics.write_text("".join(lines))
+    argv = config(store, run_dir, "optim.epochs=3")
+    refused(capsys, tmp_path, lambda: train_cli.main(argv), f"{metrics}: line 2")
+
+
+def test_non_finite_loss_is_one_line(capsys, tmp_path, store):
+    argv = config(store, tmp_path / "run", "optim.lr=1e12", "optim.grad_clip=0")
+    capsys.readouterr()
+    assert train_cli.main(argv) == 2
+    one_error_line(capsys.readouterr().err, "non-finite loss", "optim.lr")
+    assert not (tmp_path / "run/checkpoints/last.pt").exists()
+
+
+@pytest.mark.slow  # spawns two replica processes (~25 s on 2 busy cores)
+def test_an_error_in_a_replica_is_one_line_in_the_parent(capsys, tmp_path, store):
+    path = split_path(store, MOLECULES, VAL, TEST, 0, 0)
+    saved = json.loads(path.read_text())
+    saved["test"].append(saved["train"][0])
+    path.write_text(json.dumps(saved))
+    argv = config(store, tmp_path / "run", "backend.replicas=2", "backend.device=cpu")
+    refused(capsys, tmp_path, lambda: train_cli.main(argv), str(path), "in both")
+
+
+# --- the __main__ of every command, as a user runs it ----------------------------------------
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["train.py", "--config", "{bad}"],
+        ["schnet_ipu.data", "stats", "{bad}"],
+        ["schnet_ipu.packing", "report", "{bad}"],
+        ["schnet_ipu.bench", "loader", "--quick", "--store", "{bad}"],
+    ],
+)
+@pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")
+def test_commands_print_one_line(capsys, monkeypatch, tmp_path, command):
+    """Each command's own ``__main__`` (run in this process, as ``python -m`` would) on a
+    file that is no store, or no YAML mapping: exit 2 and one line, nothing written."""
+    bad = tmp_path / "broken.h5"
+    bad.write_bytes(b"not hdf5\n")
+    target, *args = [part.replace("{bad}", str(bad)) for part in command]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [target, *args])
+    with pytest.raises(SystemExit) as exit_:
+        if target.endswith(".py"):
+            runpy.run_path(str(ROOT / target), run_name="__main__")
+        else:
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+    assert exit_.value.code == 2
+    one_error_line(capsys.readouterr().err, str(bad))
+    assert list(tmp_path.iterdir()) == [bad]
