@@ -41,6 +41,16 @@ def test_torch_flavour_is_refused_by_name(graph, named):
     with pytest.raises(UnsupportedOpError, match=named) as refused:
         check_poptorch_ops(forward_and_loss(graph, "torch"))
     assert "aten::logaddexp" in str(refused.value)
+    # the pair-symmetric conv (radius) multiplies a view of its messages in place
+    written = "in-place writes into a view, whose aliasing PopTorch does not keep: aten::mul_"
+    assert (written in str(refused.value)) == (graph == "radius")
+
+
+def test_inplace_write_into_a_view_is_refused():
+    x = torch.ones(4, 3)
+    check_poptorch_ops(lambda: x.clone().mul_(2.0).sum())  # a fresh tensor: fine
+    with pytest.raises(UnsupportedOpError, match=r"view.*aten::mul_"):
+        check_poptorch_ops(lambda: x.clone()[:2].mul_(2.0).sum())
 
 
 def test_inplace_ops_are_checked_out_of_place():

@@ -29,6 +29,10 @@ How PopTorch 3.4.0 (built against torch 2.0.1) sees a model, and how this module
   (``outplaceKind``) drops the trailing ``_`` (``zero_`` -> ``zeros_like`` and ``fill_`` ->
   ``full_like``, ``include/poptorch/InplaceOpsPyTorch.hpp_nolint``), except ``copy_``,
   ``normal_``, ``uniform_``, ``random_`` and ``exponential_``, which stay in place.
+* Views are traced, but "the aliasing property of views with respect to in-place
+  operations should not be relied on" (``docs/user_guide/supported_ops.rst``): an in-place
+  op writing into a view may leave the viewed tensor unchanged on the IPU. The check refuses
+  such writes too, naming the op.
 * Every node is then lowered by its handler, registered with ``registerHandler`` in
   ``poptorch/source/popart_canonicalization/*.cpp``; an aten node left without one makes
   ``poptorch/source/ErrorOnUnsupportedAten.cpp`` raise "Unsupported ops found in compiled
@@ -92,11 +96,13 @@ def _schema_key(func: torch._ops.OpOverload) -> str:
 
 
 class _AtenRecorder(TorchDispatchMode):
-    """Collects the aten ops (``"aten::name"``, no overload) PopTorch's dispatcher would see."""
+    """Collects the aten ops (``"aten::name"``, no overload) PopTorch's dispatcher would see,
+    and the in-place ones among them that wrote into a view."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ops: set[str] = set()
+        self.views_written: set[str] = set()
         self.ipu_key = load_op_lists()["ipu_key"]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -109,17 +115,27 @@ class _AtenRecorder(TorchDispatchMode):
         ):
             with self:  # record the calls the composite kernel makes, as the IPU would see
                 return func._op_dk(explicit, *args, **kwargs)
-        self.ops.add(func._schema.name)
+        name = func._schema.name
+        self.ops.add(name)
+        target = args[0] if args else None
+        in_place = poptorch_node_kind(name) != name.split("::", 1)[-1]
+        if in_place and isinstance(target, torch.Tensor) and target._is_view():
+            self.views_written.add(name)
         return func(*args, **kwargs)
+
+
+def _record(fn: Callable[[], T]) -> tuple[T, _AtenRecorder]:
+    recorder = _AtenRecorder()
+    with recorder:
+        result = fn()
+    return result, recorder
 
 
 def record_aten_ops(fn: Callable[[], T]) -> tuple[T, set[str]]:
     """Run ``fn`` under a ``TorchDispatchMode``; return its result and the aten ops it ran
     (``"aten::name"``, as PopTorch names its nodes), composite kernels expanded as on the IPU
     (see the module docstring)."""
-    recorder = _AtenRecorder()
-    with recorder:
-        result = fn()
+    result, recorder = _record(fn)
     return result, {op for op in recorder.ops if op.startswith("aten::")}
 
 
@@ -146,13 +162,21 @@ def unsupported_ops(ops: set[str]) -> set[str]:
 
 def check_poptorch_ops(fn: Callable[[], T]) -> T:
     """Run ``fn`` (a forward + loss, no backward inside); raise :class:`UnsupportedOpError`
-    naming every aten op PopTorch 3.4.0 could not lower, else return ``fn``'s result."""
-    result, ops = record_aten_ops(fn)
-    bad = unsupported_ops(ops)
+    naming every aten op PopTorch 3.4.0 could not lower and every in-place write into a view,
+    else return ``fn``'s result."""
+    result, recorder = _record(fn)
+    bad = unsupported_ops({op for op in recorder.ops if op.startswith("aten::")})
+    problems = []
     if bad:
+        problems.append(f"no handler in PopTorch 3.4.0 for {', '.join(sorted(bad))}")
+    if recorder.views_written:
+        problems.append(
+            f"in-place writes into a view, whose aliasing PopTorch does not keep: "
+            f"{', '.join(sorted(recorder.views_written))}"
+        )
+    if problems:
         raise UnsupportedOpError(
-            f"Unsupported ops found in compiled model (PopTorch 3.4.0 has no handler): "
-            f"{', '.join(sorted(bad))}. Use model.ops=ipu, or ops listed in "
-            f"{OPS_FILE.name}."
+            f"Unsupported ops found in compiled model: {'; '.join(problems)}. Use model.ops=ipu,"
+            f" ops listed in {OPS_FILE.name}, and out-of-place ops on views."
         )
     return result
