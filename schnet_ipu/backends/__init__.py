@@ -9,7 +9,8 @@
 ``ipu`` and ``ipu-model`` (with PopTorch) run through :mod:`.poptorch_backend`; ``cpu``,
 ``cuda`` and ``ipu-model`` without PopTorch (the CPU emulation of the IPU execution model:
 fixed shapes, replicas, device iterations, accumulation, merged all-reduce) run through
-:class:`TorchBackend`.
+:class:`TorchBackend`; for ``ipu-model`` its first training step and first prediction also
+refuse, by name, any aten op PopTorch 3.4.0 cannot lower (:mod:`.poptorch_ops`).
 """
 
 from __future__ import annotations
@@ -123,4 +124,5 @@ def make_backend(
         compile=backend_cfg.compile,
         grad_clip=grad_clip,
         replica=replica,
+        check_ops=backend_cfg.device == "ipu-model",  # refuse ops PopTorch 3.4.0 cannot lower
     )

@@ -69,7 +69,7 @@ def to_device_tuple(micro_batches: list[Batch]) -> tuple[Tensor, ...]:
     Each field becomes [K * n, ...] for K micro-batches; ``edge_index`` is sent as [K * E, 2].
     """
     tuples = [_batch_first(b).as_tuple() for b in micro_batches]
-    return tuple(torch.cat(parts) for parts in zip(*tuples, strict=True))
+    return tuple(torch.cat(parts) for parts in zip(*tuples))
 
 
 def _batch_first(batch: Batch) -> Batch:
@@ -184,7 +184,7 @@ class PoptorchBackend:
         molecules = host.graph_mask.reshape(steps, -1).sum(dim=1).tolist()
         return [
             {"loss": loss, "molecules": count, "collectives": self.collectives_per_step}
-            for loss, count in zip(per_step, molecules, strict=True)
+            for loss, count in zip(per_step, molecules)
         ]
 
     def predict(self, batch: Batch) -> Tensor:
