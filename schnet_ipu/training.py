@@ -29,9 +29,13 @@ from tqdm import tqdm
 from schnet_ipu.backends import make_backend, select_device
 from schnet_ipu.backends.distributed import (
     ReplicaInfo,
+    broadcast_parameters,
     init_replica,
     launch_replicas,
+    popdist_instance,
+    prepare_once,
     processes_for,
+    replicas_in_call,
     shutdown_replica,
 )
 from schnet_ipu.checkpoint import (
@@ -67,7 +71,8 @@ class Metrics:
 def train(cfg: Config, fresh: bool = False) -> dict:
     """Train as configured (spawning replicas when asked) and return the final record."""
     run_dir = Path(cfg.logging.run_dir)
-    if fresh and run_dir.exists():
+    instance = popdist_instance()  # under PopRun every instance runs this: the first cleans
+    if fresh and run_dir.exists() and (instance is None or instance.is_main):
         shutil.rmtree(run_dir)
     device = select_device(cfg.backend.device)
     launch_replicas(_run_replica, processes_for(cfg.backend, device), cfg)
@@ -97,11 +102,12 @@ def run(cfg: Config) -> None:
     if cfg.backend.threads:
         torch.set_num_threads(cfg.backend.threads)
     np.random.seed(cfg.seed)
-    data = prepare_data(cfg)
+    # rank 0 imports and caches the data; the others wait for it, then read its caches
+    data = prepare_once(lambda: prepare_data(cfg), replica, Path(cfg.data.path).parent)
     model, optimizer, backend = make_trainer(cfg, data, replica, device)
     pin = device.startswith("cuda")
-    # PopTorch replicates inside one process, which then feeds all R replicas per call
-    in_call = cfg.backend.replicas // processes_for(cfg.backend, device)
+    # PopTorch (and its emulator) replicates inside one process, which feeds its replicas
+    in_call = replicas_in_call(cfg.backend, device, replica)
     train_loader = make_loader(
         cfg, data, "train", replica.rank, replica.world_size, pin, replicas_in_call=in_call
     )
@@ -115,6 +121,7 @@ def run(cfg: Config) -> None:
         optimizer.load_state_dict(resume["optimizer"])
         scheduler.load_state_dict(resume["scheduler"])
         set_rng_state(resume["rng"])
+        backend.after_host_weight_load()
         start_epoch, start_call, best_mae = resume["epoch"], resume["call"], resume["best_mae"]
         log.info("resuming %s at epoch %d, host call %d", run_dir, start_epoch, start_call)
         if main:
@@ -153,6 +160,7 @@ def run(cfg: Config) -> None:
         val = evaluate(backend, val_loader, data, "val", replica)
         if cfg.optim.schedule == "plateau":
             scheduler.step(val.mae)
+            backend.optimizer_changed()
         improved = val.mae < best_mae
         best_mae = min(best_mae, val.mae)
         checkpoint(last_path, epoch + 1, 0)
@@ -182,9 +190,11 @@ def run(cfg: Config) -> None:
                 train_stats["molecules_per_s"],
             )
 
+    if main:  # rank 0 wrote best.pt; the others get its weights through the group
+        model.load_state_dict(load_checkpoint(best_path)["model"])
     if replica.world_size > 1:
-        dist.barrier()
-    model.load_state_dict(load_checkpoint(best_path)["model"])
+        broadcast_parameters(model)
+    backend.after_host_weight_load()
     test_loader = make_loader(cfg, data, "test", replica.rank, replica.world_size)
     test = evaluate(backend, test_loader, data, "test", replica)
     baseline_mae = float(np.abs(data.baseline_errors("test")).mean())
@@ -263,6 +273,7 @@ def train_epoch(
                     scheduler.step()
                 losses.append(record["loss"])
                 molecules += record["molecules"]
+            backend.optimizer_changed()  # the device gets the new lr, once per host call
             calls += 1
             rate = molecules / max(time.perf_counter() - epoch_start, 1e-9)
             bar.update(1)
@@ -280,7 +291,7 @@ def train_epoch(
                     molecules_per_s=rate * replica.world_size,
                     data_seconds=data_seconds,
                     step_seconds=step_seconds,
-                    replicas=replica.world_size,
+                    replicas=cfg.backend.replicas,
                     collectives_per_step=records[-1]["collectives"],
                 )
     bar.close()
@@ -346,6 +357,7 @@ def make_trainer(
         device,
         seed=cfg.seed,
         prefetch=cfg.loader.prefetch,
+        cache_dir=cfg.backend.executable_cache or str(Path(cfg.logging.run_dir) / "executables"),
     )
     return model, optimizer, backend
 
@@ -368,7 +380,13 @@ def build_model(cfg: Config, data: PreparedData) -> SchNet:
 
 def make_optimizer(cfg: Config, model: torch.nn.Module, device: str) -> torch.optim.Adam:
     """Adam, as in the paper; on CPU and CUDA its fused kernel (the same update in one pass
-    over the parameters, 5x faster than the per-tensor loop for SchNet on a CPU)."""
+    over the parameters, 5x faster than the per-tensor loop for SchNet on a CPU); on the IPU
+    PopTorch's, which keeps its state on the device and clips there."""
+    if device in ("ipu", "ipu-model"):
+        from schnet_ipu.backends.poptorch_backend import make_optimizer as make_ipu_optimizer
+
+        oc = cfg.optim
+        return make_ipu_optimizer(model.parameters(), oc.lr, oc.weight_decay, oc.grad_clip)
     return torch.optim.Adam(
         model.parameters(),
         lr=cfg.optim.lr,
@@ -444,9 +462,9 @@ def load_run(run_dir: Path, checkpoint: str = "best") -> tuple[Config, PreparedD
     data = prepare_data(cfg)
     model = build_model(cfg, data)
     model.load_state_dict(state["model"])
-    backend = make_backend(
-        cfg.backend, model, torch.optim.Adam(model.parameters()), None, 0.0, ReplicaInfo()
-    )
+    device = select_device(cfg.backend.device)
+    optimizer = make_optimizer(cfg, model, device)
+    backend = make_backend(cfg.backend, model, optimizer, None, 0.0, ReplicaInfo(), device)
     return cfg, data, backend
 
 

@@ -180,6 +180,12 @@ class TorchBackend:
         self.model.eval()
         return self._run_model(self._to_device(batch)).cpu()
 
+    def optimizer_changed(self) -> None:
+        """Called after the host changed the optimiser (lr schedule): nothing to send here."""
+
+    def after_host_weight_load(self) -> None:
+        """Called after weights were loaded into the model: they are already in use here."""
+
     def _to_device(self, batch: Batch) -> Batch:
         if self.device.type != "cuda":
             return batch.to(self.device)
