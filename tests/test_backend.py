@@ -37,7 +37,7 @@ class TinyModel(nn.Module):
         h = torch.tanh(self.mix(torch.cat([self.embed(batch.z), batch.pos * 0.3], dim=1)))
         atom = self.out(h).squeeze(1) * batch.node_mask
         slots = torch.zeros(batch.num_graphs + 1, dtype=atom.dtype, device=atom.device)
-        return slots.scatter_add(0, batch.graph, atom)[:-1]  # PopTorch maps scatter_add
+        return slots.scatter_add(0, batch.graph, atom)[:-1]  # PopTorch lowers scatter_add
 
 
 def masked_mse(model: nn.Module, batch: Batch) -> Tensor:

@@ -9,7 +9,8 @@
 ``ipu`` and ``ipu-model`` (with PopTorch) run through :mod:`.poptorch_backend`; ``ipu-model``
 without PopTorch through :mod:`.ipu_emulator` (the CPU emulation of PopTorch's execution
 model: one process drives R replicas, fixed shapes, device iterations, accumulation, one
-merged gradient reduction, PopTorch's op list); ``cpu`` and ``cuda`` through
+merged gradient reduction; its first training step and first prediction refuse, by name, any
+aten op PopTorch 3.4.0 cannot lower, :mod:`.poptorch_ops`); ``cpu`` and ``cuda`` through
 :class:`TorchBackend` (one process per replica).
 """
 

@@ -18,15 +18,11 @@ the IPU compiler would. ``predict`` computes a batch once (no replica copies).
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import Tensor, nn
 
 from schnet_ipu.backends.torch_backend import LossFn, TorchBackend
 from schnet_ipu.batch import Batch
-
-log = logging.getLogger(__name__)
 
 
 class IpuEmulatorBackend(TorchBackend):
@@ -58,9 +54,9 @@ class IpuEmulatorBackend(TorchBackend):
             device_iterations=device_iterations,
             gradient_accumulation=gradient_accumulation,
             grad_clip=grad_clip,
+            check_ops=True,  # the first step and prediction refuse ops PopTorch cannot lower
         )
         self.replicas = replicas
-        self.ops_checked = False
 
     @property
     def collectives_per_step(self) -> int:
@@ -80,9 +76,6 @@ class IpuEmulatorBackend(TorchBackend):
             )
         for batch in micro_batches:
             self._train_guard.check(batch)
-        if not self.ops_checked:
-            _check_ops(lambda: self.loss_fn(self.model, micro_batches[0]))
-            self.ops_checked = True
         self.model.train()
         params = [p for p in self.model.parameters() if p.requires_grad]
         records = []
@@ -113,20 +106,10 @@ class IpuEmulatorBackend(TorchBackend):
         self.optimizer.zero_grad(set_to_none=True)
         total = torch.zeros(())
         for batch in batches:
-            loss = self.loss_fn(self.model, batch)
+            loss = self._run("train", lambda model, batch=batch: self.loss_fn(model, batch))
             loss.backward()
             total += loss.detach()
         return float(total)
-
-
-def _check_ops(forward_and_loss) -> None:
-    """Refuse aten ops PopTorch 3.4.0 has no handler for (part A's op check)."""
-    try:
-        from schnet_ipu.backends.poptorch_ops import check_poptorch_ops
-    except ImportError:  # the op list is not merged into this branch yet
-        log.warning("poptorch op check unavailable: schnet_ipu.backends.poptorch_ops missing")
-        return
-    check_poptorch_ops(forward_and_loss)
 
 
 def _grad(param: Tensor) -> Tensor:

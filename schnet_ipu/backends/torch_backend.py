@@ -22,6 +22,7 @@ from schnet_ipu.backends.distributed import (
     shared_memory_reduction,
     trainable_grads,
 )
+from schnet_ipu.backends.poptorch_ops import check_poptorch_ops
 from schnet_ipu.batch import Batch
 
 LossFn = Callable[[nn.Module, Batch], Tensor]
@@ -86,6 +87,9 @@ class TorchBackend:
         compile_backend: the torch.compile backend ("aot_eager" skips code generation).
         grad_clip: max gradient norm after the replica reduction; 0 disables clipping.
         replica: this process's rank among the replicas (from ``init_replica``).
+        check_ops: run the first training forward + loss and the first prediction under
+            :func:`~schnet_ipu.backends.poptorch_ops.check_poptorch_ops`, refusing aten ops
+            PopTorch 3.4.0 cannot lower (``backend.device=ipu-model`` without PopTorch).
     """
 
     def __init__(
@@ -102,6 +106,7 @@ class TorchBackend:
         compile_backend: str = "inductor",
         grad_clip: float = 0.0,
         replica: ReplicaInfo | None = None,
+        check_ops: bool = False,
     ) -> None:
         self.replica = replica or ReplicaInfo()
         self.device = torch.device(device)
@@ -123,6 +128,7 @@ class TorchBackend:
         self._predict_guard = ShapeGuard("prediction")
         self._collectives = 0
         self._shared_reduction = None
+        self._unchecked = {"train", "predict"} if check_ops else set()
         if self.replica.world_size > 1:
             broadcast_parameters(self.model)
             if merge_allreduce and shared_memory_allreduce and self.device.type == "cpu":
@@ -159,7 +165,8 @@ class TorchBackend:
             self.optimizer.zero_grad(set_to_none=True)
             step_loss = torch.zeros((), device=self.device)
             for batch in group:
-                loss = self.loss_fn(self._run_model, self._to_device(batch))
+                batch = self._to_device(batch)
+                loss = self._run("train", lambda model, batch=batch: self.loss_fn(model, batch))
                 (loss / accum).backward()
                 step_loss += loss.detach()
             self._collectives = self.reduce_gradients()
@@ -178,7 +185,16 @@ class TorchBackend:
         """Predictions [G] for one batch, in eval mode, returned on the host."""
         self._predict_guard.check(batch)
         self.model.eval()
-        return self._run_model(self._to_device(batch)).cpu()
+        batch = self._to_device(batch)
+        return self._run("predict", lambda model: model(batch)).cpu()
+
+    def _run(self, kind: str, fn: Callable[[nn.Module], Tensor]) -> Tensor:
+        """``fn(model)``; the first ``kind`` ("train" / "predict") call runs eagerly under the
+        PopTorch op check when ``check_ops`` is set."""
+        if kind not in self._unchecked:
+            return fn(self._run_model)
+        self._unchecked.discard(kind)
+        return check_poptorch_ops(lambda: fn(self.model))
 
     def optimizer_changed(self) -> None:
         """Called after the host changed the optimiser (lr schedule): nothing to send here."""

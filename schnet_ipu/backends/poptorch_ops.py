@@ -1,0 +1,158 @@
+"""Refuse, on the CPU, the aten ops PopTorch 3.4.0 would refuse on the IPU.
+
+    pred, ops = record_aten_ops(lambda: model(batch))  # ops: {"aten::index_select", ...}
+    loss = check_poptorch_ops(lambda: loss_fn(model, batch))  # UnsupportedOpError if unmapped
+
+How PopTorch 3.4.0 (built against torch 2.0.1) sees a model, and how this module mirrors it
+(paths in github:graphcore/poptorch at tag ``sdk/poptorch/3.4.0``):
+
+* It traces the forward pass (and the loss inside it) only; PopART differentiates the traced
+  graph itself (``poptorch/source/dispatch_tracer/README.md``). So the check runs a forward
+  and a loss, never a backward.
+* Ops reach PopTorch through torch's dispatcher: a boxed fallback for the ``IPU`` and
+  ``AutogradIPU`` keys (``dispatch_tracer/RegisterAtenOverloads.cpp``) turns each call into a
+  JIT node named after the op's schema, without its overload
+  (``dispatch_tracer/CommonHelperFunctions.cpp``: ``createAtenTarget``). A
+  ``TorchDispatchMode`` sees the same calls: torch's ``CompositeImplicitAutograd`` ops are
+  already decomposed above it. Two differences are mirrored here. (1) An op with a
+  ``CompositeExplicitAutograd`` kernel runs that kernel on the IPU (torch prefers it to a
+  backend fallback) unless PopTorch registered the op for the IPU key itself
+  (``dispatch_tracer/RegisterOptionalAtenOps.cpp.inc``), so PopTorch sees the ops the kernel
+  calls (``zeros`` arrives as ``empty`` + ``zero_``): the recorder runs that kernel and
+  records its calls instead. (2) The few ``CompositeImplicitAutograd`` ops PopTorch
+  registers for the IPU key (``one_hot``, ``dropout``, ...) reach it undecomposed, while
+  here they are seen decomposed: the check is stricter than PopTorch for those, never
+  laxer.
+* The dispatcher implements a few ops itself (``copy_``, ``detach``, ``empty``, ``item``...;
+  same two files) and ``poptorch/source/AliasProcessing.cpp`` removes ``alias``.
+* In-place ops are checked as their out-of-place form: ``poptorch/source/InplaceOps.cpp``
+  (``outplaceKind``) drops the trailing ``_`` (``zero_`` -> ``zeros_like`` and ``fill_`` ->
+  ``full_like``, ``include/poptorch/InplaceOpsPyTorch.hpp_nolint``), except ``copy_``,
+  ``normal_``, ``uniform_``, ``random_`` and ``exponential_``, which stay in place.
+* Every node is then lowered by its handler, registered with ``registerHandler`` in
+  ``poptorch/source/popart_canonicalization/*.cpp``; an aten node left without one makes
+  ``poptorch/source/ErrorOnUnsupportedAten.cpp`` raise "Unsupported ops found in compiled
+  model".
+
+The op lists are ``poptorch_ops_3.4.0.txt`` beside this file, derived from that source by
+``scripts/derive_poptorch_ops.py`` (provenance in its header).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import lru_cache
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+T = TypeVar("T")
+
+OPS_FILE = Path(__file__).with_name("poptorch_ops_3.4.0.txt")
+# poptorch/source/InplaceOps.cpp: onlyInplaceOps() and outplaceKind()
+ONLY_INPLACE = frozenset({"copy_", "normal_", "uniform_", "random_", "exponential_"})
+INPLACE_TO_OUT_OF_PLACE = {"zero_": "zeros_like", "fill_": "full_like"}
+
+__all__ = ["UnsupportedOpError", "check_poptorch_ops", "record_aten_ops"]
+
+
+class UnsupportedOpError(RuntimeError):
+    """The traced forward + loss uses aten ops PopTorch 3.4.0 cannot lower (named in the
+    message)."""
+
+
+@lru_cache(maxsize=1)
+def load_op_lists(path: Path = OPS_FILE) -> dict[str, frozenset[str]]:
+    """The ``[handlers]``, ``[dispatcher]`` and ``[ipu_key]`` sections of ``path``."""
+    sections: dict[str, set[str]] = {}
+    current = None
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("["):
+            current = sections.setdefault(line.strip("[]"), set())
+        elif current is None:
+            raise ValueError(f"{path}: op {line!r} before any [section]")
+        else:
+            current.add(line)
+    missing = {"handlers", "dispatcher", "ipu_key"} - set(sections)
+    if missing:
+        raise ValueError(f"{path}: missing sections {sorted(missing)}")
+    return {name: frozenset(ops) for name, ops in sections.items()}
+
+
+def _schema_key(func: torch._ops.OpOverload) -> str:
+    """``name.overload`` as PopTorch registers it (``name`` for the default overload)."""
+    name = func._schema.name.split("::", 1)[1]
+    overload = func._schema.overload_name
+    return f"{name}.{overload}" if overload else name
+
+
+class _AtenRecorder(TorchDispatchMode):
+    """Collects the aten ops (``"aten::name"``, no overload) PopTorch's dispatcher would see."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: set[str] = set()
+        self.ipu_key = load_op_lists()["ipu_key"]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        explicit = torch._C.DispatchKey.CompositeExplicitAutograd
+        if (
+            func.namespace == "aten"
+            and _schema_key(func) not in self.ipu_key
+            and torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), explicit)
+        ):
+            with self:  # record the calls the composite kernel makes, as the IPU would see
+                return func._op_dk(explicit, *args, **kwargs)
+        self.ops.add(func._schema.name)
+        return func(*args, **kwargs)
+
+
+def record_aten_ops(fn: Callable[[], T]) -> tuple[T, set[str]]:
+    """Run ``fn`` under a ``TorchDispatchMode``; return its result and the aten ops it ran
+    (``"aten::name"``, as PopTorch names its nodes), composite kernels expanded as on the IPU
+    (see the module docstring)."""
+    recorder = _AtenRecorder()
+    with recorder:
+        result = fn()
+    return result, {op for op in recorder.ops if op.startswith("aten::")}
+
+
+def poptorch_node_kind(op: str) -> str:
+    """The name PopTorch's handlers are looked up by: out-of-place for in-place ops
+    (``poptorch/source/InplaceOps.cpp``)."""
+    name = op.split("::", 1)[-1]
+    if name in ONLY_INPLACE or len(name) < 2 or name[-2] == "_" or name[-1] != "_":
+        return name  # not in place (``__and__`` is not), or only exists in place
+    return INPLACE_TO_OUT_OF_PLACE.get(name, name[:-1])
+
+
+def unsupported_ops(ops: set[str]) -> set[str]:
+    """The ops in ``ops`` (``"aten::name"``) PopTorch 3.4.0 has neither a handler nor a
+    dispatcher implementation for."""
+    lists = load_op_lists()
+    return {
+        op
+        for op in ops
+        if op.split("::", 1)[-1] not in lists["dispatcher"]
+        and poptorch_node_kind(op) not in lists["handlers"]
+    }
+
+
+def check_poptorch_ops(fn: Callable[[], T]) -> T:
+    """Run ``fn`` (a forward + loss, no backward inside); raise :class:`UnsupportedOpError`
+    naming every aten op PopTorch 3.4.0 could not lower, else return ``fn``'s result."""
+    result, ops = record_aten_ops(fn)
+    bad = unsupported_ops(ops)
+    if bad:
+        raise UnsupportedOpError(
+            f"Unsupported ops found in compiled model (PopTorch 3.4.0 has no handler): "
+            f"{', '.join(sorted(bad))}. Use model.ops=ipu, or ops listed in "
+            f"{OPS_FILE.name}."
+        )
+    return result

@@ -1,0 +1,89 @@
+"""The emulator's PopTorch op check: the ipu flavour passes it, the torch flavour cannot."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_backend import make_batch
+from test_model import tight_batch
+
+from schnet_ipu.backends import make_backend
+from schnet_ipu.backends.poptorch_ops import (
+    UnsupportedOpError,
+    check_poptorch_ops,
+    load_op_lists,
+    poptorch_node_kind,
+    record_aten_ops,
+    unsupported_ops,
+)
+from schnet_ipu.config import BackendConfig
+from schnet_ipu.model import SchNet, masked_mse
+
+
+def forward_and_loss(graph: str, ops: str):
+    """A zero-argument forward + loss of SchNet (``ops`` flavour) on packed QM9 rows."""
+    torch.manual_seed(0)
+    model = SchNet(graph=graph, k=12, max_nodes_per_pack=64, ops=ops)
+    batch = tight_batch(radius=graph == "radius")
+    return lambda: masked_mse(model(batch), batch.y, batch.graph_mask, 2.0)
+
+
+@pytest.mark.parametrize("graph", ["radius", "knn"])
+def test_ipu_flavour_uses_only_ops_poptorch_lowers(graph):
+    loss, ops = record_aten_ops(forward_and_loss(graph, "ipu"))
+    assert {"aten::scatter_add", "aten::index_select", "aten::log1p"} <= ops
+    assert unsupported_ops(ops) == set()
+    assert torch.equal(check_poptorch_ops(forward_and_loss(graph, "ipu")), loss)
+
+
+@pytest.mark.parametrize(("graph", "named"), [("radius", "index_add"), ("knn", "eye")])
+def test_torch_flavour_is_refused_by_name(graph, named):
+    with pytest.raises(UnsupportedOpError, match=named) as refused:
+        check_poptorch_ops(forward_and_loss(graph, "torch"))
+    assert "aten::logaddexp" in str(refused.value)
+
+
+def test_inplace_ops_are_checked_out_of_place():
+    assert poptorch_node_kind("aten::scatter_add_") == "scatter_add"
+    assert poptorch_node_kind("aten::zero_") == "zeros_like"
+    assert poptorch_node_kind("aten::copy_") == "copy_"
+    assert poptorch_node_kind("aten::__and__") == "__and__"
+    assert unsupported_ops({"aten::index_add_", "aten::add_"}) == {"aten::index_add_"}
+
+
+def test_composite_kernels_are_expanded_as_on_the_ipu():
+    """torch.zeros runs its composite kernel on the IPU (PopTorch registers no zeros for the IPU
+    key), so PopTorch sees the calls inside it, not aten::zeros."""
+    assert "zeros" not in load_op_lists()["ipu_key"]
+    out, ops = record_aten_ops(lambda: torch.zeros(3) + 1)
+    assert "aten::zeros" not in ops and "aten::add" in ops
+    assert torch.equal(out, torch.ones(3))
+
+
+def test_ipu_model_backend_refuses_unmapped_op_on_first_step():
+    """The TinyModel of test_backend sums with scatter_add (mapped); swapping in index_add makes
+    backend.device=ipu-model refuse the first step, naming the op."""
+    from test_backend import TinyModel
+
+    class IndexAddModel(TinyModel):
+        def forward(self, batch):
+            atom = self.out(torch.tanh(self.mix(torch.cat([self.embed(batch.z), batch.pos], 1))))
+            slots = atom.new_zeros(batch.num_graphs + 1)
+            return slots.index_add(0, batch.graph, atom.squeeze(1))[:-1]
+
+    def loss(model, batch):
+        return masked_mse(model(batch), batch.y, batch.graph_mask, 1.0)
+
+    cfg = BackendConfig(device="ipu-model")
+    good = TinyModel()
+    backend = make_backend(cfg, good, torch.optim.SGD(good.parameters(), lr=0.01), loss)
+    backend.train_call([make_batch(0)])
+    backend.predict(make_batch(1))
+    bad = IndexAddModel()
+    backend = make_backend(cfg, bad, torch.optim.SGD(bad.parameters(), lr=0.01), loss)
+    with pytest.raises(UnsupportedOpError, match="aten::index_add"):
+        backend.train_call([make_batch(0)])
+    with pytest.raises(UnsupportedOpError, match="aten::index_add"):
+        backend.predict(make_batch(1))
+    cpu = make_backend(BackendConfig(device="cpu"), bad, torch.optim.SGD(bad.parameters()), loss)
+    cpu.train_call([make_batch(0)])  # the check is the emulator's only
