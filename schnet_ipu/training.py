@@ -30,6 +30,7 @@ from schnet_ipu.backends import make_backend, select_device
 from schnet_ipu.backends.distributed import (
     ReplicaInfo,
     broadcast_parameters,
+    from_rank0,
     init_replica,
     launch_replicas,
     popdist_instance,
@@ -92,7 +93,8 @@ def run(cfg: Config) -> None:
     main = replica.is_main
     run_dir = Path(cfg.logging.run_dir)
     last_path, best_path = run_dir / "checkpoints/last.pt", run_dir / "checkpoints/best.pt"
-    resume = load_checkpoint(last_path) if last_path.exists() else None
+    resume = load_checkpoint(last_path) if main and last_path.exists() else None
+    resume = from_rank0(resume, replica)  # instances on other hosts may not see the run dir
     if resume is not None:
         check_same_run(resume["config"], cfg.to_dict(), run_dir)
     if main:
@@ -367,7 +369,9 @@ def build_model(cfg: Config, data: PreparedData) -> SchNet:
     the ipu op flavour on ``ipu`` and ``ipu-model`` devices."""
     atom_scale = data.residual_std / math.sqrt(data.mean_atoms())
     model_cfg = cfg.model
-    if cfg.backend.device in ("ipu", "ipu-model"):  # the IPU and its emulator: mapped ops only
+    on_ipu = cfg.backend.device in ("ipu", "ipu-model")
+    if on_ipu or (cfg.backend.device == "auto" and select_device("auto") == "ipu"):
+        # the IPU (also when auto finds one) and its emulator: mapped ops only
         model_cfg = dataclasses.replace(model_cfg, ops="ipu")
     return SchNet.from_config(
         model_cfg,

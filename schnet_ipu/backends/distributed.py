@@ -333,6 +333,15 @@ def per_parameter_allreduce(grads: list[Tensor], world_size: int) -> int:
     return len(grads)
 
 
+def from_rank0(obj: Any, replica: ReplicaInfo) -> Any:
+    """Rank 0's ``obj`` (any picklable object, e.g. a checkpoint) on every rank."""
+    if replica.world_size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def broadcast_parameters(model: nn.Module) -> None:
     """Copy rank 0's parameters and buffers to every replica so all start identical."""
     for tensor in [*model.parameters(), *model.buffers()]:
