@@ -58,7 +58,11 @@ OVERLAP_CYCLE_OPTIMIZED = 2  # popart.AccumulateOuterFragmentSchedule.OverlapCyc
 def make_optimizer(params, lr: float, weight_decay: float, grad_clip: float) -> poptorch.optim.Adam:
     """``poptorch.optim.Adam``: torch.optim.Adam's update (L2 weight decay, bias correction),
     float32 gradients and moments, no loss scaling, and the global norm clipped to
-    ``grad_clip`` on the device (0 = no clipping)."""
+    ``grad_clip`` on the device (0 = no clipping).
+
+    Every value is passed explicitly: PopTorch compiles the ones left unset as constants
+    (python/optim.py ``_parseArgs``), and a constant lr could not follow the schedule.
+    """
     return poptorch.optim.Adam(
         params,
         lr=lr,
