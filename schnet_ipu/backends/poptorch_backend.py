@@ -86,7 +86,10 @@ def make_options(
 
     Training replicates R' times (``popdist.poptorch.Options`` under PopRun: this instance's
     replicas, with the instance placed among the others). Inference runs on one IPU with one
-    iteration per call, so a batch is computed once, not once per replica.
+    iteration per call, so a batch is computed once, not once per replica; under PopRun each
+    instance predicts its own share on its own IPU, so distribution is disabled (a plain
+    ``poptorch.Options`` would read OMPI_COMM_WORLD_SIZE/RANK, which poprun's mpirun sets,
+    and join the instances: ``_DistributedOptions`` in python/options.py).
     """
     if training and _under_poprun():
         import popdist.poptorch
@@ -95,6 +98,8 @@ def make_options(
     else:
         options = poptorch.Options()
         options.replicationFactor(backend_cfg.replicas if training else 1)
+        if not training:
+            options.Distributed.disable()
     options.deviceIterations(backend_cfg.device_iterations if training else 1)
     options.randomSeed(seed)
     options.outputMode(poptorch.OutputMode.All)  # one loss per micro-batch, not only the last
