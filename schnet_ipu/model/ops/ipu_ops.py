@@ -18,7 +18,7 @@ from schnet_ipu.model.ops.common import LOG2, edge_distance
 
 def shifted_softplus(x: Tensor) -> Tensor:
     """``log1p(exp(-|x|)) + max(x, 0) - log 2``, written out; any shape."""
-    return torch.log1p(torch.exp(-torch.abs(x))) + torch.clamp(x, min=0.0) - LOG2
+    return torch.log1p(torch.exp(-torch.abs(x))) + torch.clamp_min(x, 0.0) - LOG2
 
 
 def gather(x: Tensor, index: Tensor) -> Tensor:
@@ -50,6 +50,9 @@ def knn_graph_packed(
     if num_nodes % nodes_per_pack:
         raise ValueError(f"{num_nodes} atoms are not a whole number of packs of {nodes_per_pack}")
     num_packs = num_nodes // nodes_per_pack
+    # no gradient through the search: PopTorch lowers detach to PopART's Detach
+    # (popart_canonicalization/AtenHandlers.gen.cpp, detachHandler); torch.no_grad would do too
+    # (docs/user_guide/supported_ops.rst, "Gradient computation control")
     p = pos.detach().reshape(num_packs, nodes_per_pack, 3)
     g = graph.reshape(num_packs, nodes_per_pack)
     m = node_mask.reshape(num_packs, nodes_per_pack)

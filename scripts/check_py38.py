@@ -1,0 +1,89 @@
+"""Check that everything the IPU path imports needs no Python newer than 3.8 (the SDK's).
+
+    python scripts/check_py38.py          # vermin's verdict; exit 1 if anything needs > 3.8
+    python scripts/check_py38.py --list   # only the modules checked
+
+The modules are the first-party import closure of ``train.py`` and the PopTorch backend:
+every ``import`` / ``from`` statement counts, including those inside functions, so lazily
+imported modules are checked too. ``vermin -t=3.8-`` checks them without evaluating
+annotations: the code uses ``from __future__ import annotations``, so ``list[int]`` or
+``X | None`` in an annotation is a string that Python 3.8 never evaluates. What vermin
+cannot see (annotations resolved at runtime, torch 2.0.1 APIs) is exercised on Python 3.8
+by ``scripts/check_torch201.sh``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ENTRY_POINTS = ("train.py", "schnet_ipu/backends/poptorch_backend.py")
+PACKAGE = "schnet_ipu"
+
+
+def module_file(name: str) -> Path | None:
+    """The file of first-party module ``name`` (``schnet_ipu.x.y``), or None."""
+    base = ROOT / Path(*name.split("."))
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def imported_modules(path: Path) -> set[str]:
+    """First-party modules ``path`` imports anywhere in its body (and their packages)."""
+    names = set()
+    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parent, base] if base else parent)
+            names.add(base)
+            names |= {f"{base}.{alias.name}" for alias in node.names}
+    closure = set()
+    for name in names:
+        if name.split(".")[0] != PACKAGE:
+            continue
+        parts = name.split(".")
+        closure |= {".".join(parts[:i]) for i in range(1, len(parts) + 1)}
+    return {name for name in closure if module_file(name) is not None}
+
+
+def import_closure() -> list[Path]:
+    """Files of the entry points and every first-party module they reach."""
+    files = {ROOT / entry for entry in ENTRY_POINTS}
+    todo = list(files)
+    while todo:
+        for name in imported_modules(todo.pop()):
+            path = module_file(name)
+            if path not in files:
+                files.add(path)
+                todo.append(path)
+    return sorted(files)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--list", action="store_true", help="print the modules and stop")
+    args = parser.parse_args()
+    files = [str(path.relative_to(ROOT)) for path in import_closure()]
+    if args.list:
+        print("\n".join(files))
+        return 0
+    vermin = shutil.which("vermin") or str(Path(sys.executable).with_name("vermin"))
+    command = [vermin, "-t=3.8-", "--no-tips", "--violations", *files]
+    print(f"vermin over {len(files)} modules the IPU path imports", flush=True)
+    return subprocess.run(command, cwd=ROOT).returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
