@@ -80,7 +80,7 @@ class Batch:
     @classmethod
     def from_tuple(cls, tensors: tuple[Tensor, ...], names: tuple[str, ...]) -> Batch:
         """Inverse of :meth:`as_tuple`, given the :meth:`present_fields` of the batch."""
-        return cls(**dict(zip(names, tensors)))  # noqa: B905 (Python 3.8 on the IPU path)
+        return cls(**dict(zip(names, tensors)))
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
         return self._map(lambda t: t.to(device, non_blocking=non_blocking))
@@ -125,10 +125,10 @@ def stack_batches(batches: list[Batch]) -> Batch:
     edge_index = edge_mask = None
     if edges:
         halves = [e.shape[1] // 2 for e in edges]
-        forward = torch.cat([e[:, :h] for e, h in zip(edges, halves, strict=True)], dim=1)
+        forward = torch.cat([e[:, :h] for e, h in zip(edges, halves)], dim=1)
         edge_index = torch.cat([forward, forward.flip(0)], dim=1)
         masks = [b.edge_mask for b in batches]
-        edge_mask = torch.cat([torch.cat([m[:h] for m, h in zip(masks, halves, strict=True)])] * 2)
+        edge_mask = torch.cat([torch.cat([m[:h] for m, h in zip(masks, halves)])] * 2)
     return Batch(
         z=cat("z"),
         pos=cat("pos"),

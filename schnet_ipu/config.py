@@ -19,6 +19,16 @@ from typing import Any
 
 import yaml
 
+# Field annotations are strings (``from __future__ import annotations``); resolving them with
+# these names keeps ``list[int]`` readable on Python 3.8 (the Poplar SDK's), where the builtin
+# ``list`` cannot be subscripted.
+_GENERICS = {"list": typing.List, "tuple": typing.Tuple, "dict": typing.Dict}
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    """The resolved annotation of every field of dataclass ``cls``."""
+    return typing.get_type_hints(cls, localns=_GENERICS)
+
 
 class ConfigError(ValueError):
     """A configuration that cannot run, with a message saying what to change."""
@@ -218,7 +228,7 @@ def apply_override(cfg: Config, item: str) -> None:
     if dataclasses.is_dataclass(getattr(node, leaf)):
         raise ConfigError(f"{walked}{leaf} is a section; override one of its keys instead")
     value = yaml.safe_load(text) if text.strip() else ""
-    hint = typing.get_type_hints(type(node))[leaf]
+    hint = _field_types(type(node))[leaf]
     setattr(node, leaf, _convert(value, hint, walked + leaf))
 
 
@@ -270,7 +280,7 @@ def validate(cfg: Config) -> None:
 def _build(cls: type, raw: Any, prefix: str) -> Any:
     if not isinstance(raw, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {raw!r}")
-    hints = typing.get_type_hints(cls)
+    hints = _field_types(cls)
     instance = cls()
     for key, value in raw.items():
         name = _known_field(instance, key, prefix)

@@ -53,6 +53,7 @@ from schnet_ipu.pipeline import PreparedData, make_loader, prepare_data
 from schnet_ipu.runlog import RunLog, plot_learning_curve, read_records, truncate_after
 
 log = logging.getLogger("schnet_ipu")
+TORCH_VERSION = tuple(int(part) for part in torch.__version__.split(".")[:2])  # (2, 13)
 
 
 class TrainingError(RuntimeError):
@@ -384,8 +385,9 @@ def build_model(cfg: Config, data: PreparedData) -> SchNet:
 
 def make_optimizer(cfg: Config, model: torch.nn.Module, device: str) -> torch.optim.Adam:
     """Adam, as in the paper; on CPU and CUDA its fused kernel (the same update in one pass
-    over the parameters, 5x faster than the per-tensor loop for SchNet on a CPU); on the IPU
-    PopTorch's, which keeps its state on the device and clips there."""
+    over the parameters, 5x faster than the per-tensor loop for SchNet on a CPU; torch
+    before 2.4, the Poplar SDK's 2.0.1, has no fused CPU kernel and raises if asked); on the
+    IPU PopTorch's, which keeps its state on the device and clips there."""
     if device in ("ipu", "ipu-model"):
         from schnet_ipu.backends.poptorch_backend import make_optimizer as make_ipu_optimizer
 
@@ -395,7 +397,7 @@ def make_optimizer(cfg: Config, model: torch.nn.Module, device: str) -> torch.op
         model.parameters(),
         lr=cfg.optim.lr,
         weight_decay=cfg.optim.weight_decay,
-        fused=device in ("cpu", "cuda"),
+        fused=device == "cuda" or (device == "cpu" and TORCH_VERSION >= (2, 4)),
     )
 
 
@@ -496,7 +498,7 @@ def predict_run(run_dir: Path, split: str, out: Path) -> int:
         writer.writerow(["index", "target", "prediction", "error", "unit"])
         for index, prediction, target in predictions(backend, make_loader(cfg, data, split)):
             shift = raw[index] - target  # the atom references subtracted from the target
-            for i, p, t in zip(index, prediction + shift, target + shift, strict=True):
+            for i, p, t in zip(index, prediction + shift, target + shift):
                 writer.writerow([int(i), f"{t:.6f}", f"{p:.6f}", f"{p - t:.6f}", data.unit])
                 rows += 1
     return rows

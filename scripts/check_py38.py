@@ -7,9 +7,12 @@ The modules are the first-party import closure of ``train.py`` and the PopTorch 
 every ``import`` / ``from`` statement counts, including those inside functions, so lazily
 imported modules are checked too. ``vermin -t=3.8-`` checks them without evaluating
 annotations: the code uses ``from __future__ import annotations``, so ``list[int]`` or
-``X | None`` in an annotation is a string that Python 3.8 never evaluates. What vermin
-cannot see (annotations resolved at runtime, torch 2.0.1 APIs) is exercised on Python 3.8
-by ``scripts/check_torch201.sh``.
+``X | None`` in an annotation is a string that Python 3.8 never evaluates. Outside
+annotations they are evaluated, and vermin misses them in plain assignments
+(``Pair = tuple[int, int]``, ``Slot = int | None``), so a second pass flags subscripted
+builtins and ``collections.abc`` classes (3.9+) and ``|`` between types (3.10+) there. What
+neither can see (annotations resolved at runtime, torch 2.0.1 APIs) is exercised on
+Python 3.8 by ``scripts/check_torch201.sh``.
 """
 
 from __future__ import annotations
@@ -71,6 +74,53 @@ def import_closure() -> list[Path]:
     return sorted(files)
 
 
+GENERIC_BUILTINS = {"list", "tuple", "dict", "set", "frozenset", "type"}
+TYPE_NAMES = GENERIC_BUILTINS | {"int", "float", "str", "bytes", "bool", "complex"}
+
+
+def runtime_generics(path: Path) -> list[str]:
+    """``file:line: what`` for each generic alias outside annotations that Python 3.8 rejects:
+    ``list[int]`` / ``collections.abc.Callable[...]`` (3.9) and ``int | None`` (3.10)."""
+    tree = ast.parse(path.read_text(), str(path))
+    abc_names = {
+        alias.asname or alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module == "collections.abc"
+        for alias in node.names
+    }
+    annotations = set()
+    for node in ast.walk(tree):
+        for child in (getattr(node, "annotation", None), getattr(node, "returns", None)):
+            if child is not None:
+                annotations |= {id(sub) for sub in ast.walk(child)}
+
+    def is_type(node: ast.AST) -> bool:
+        if isinstance(node, ast.Constant):
+            return node.value is None
+        if isinstance(node, ast.Subscript):
+            node = node.value
+        return isinstance(node, ast.Name) and node.id in TYPE_NAMES | abc_names
+
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in annotations:
+            continue
+        where = f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', 0)}"
+        if (
+            isinstance(node, ast.Subscript)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in GENERIC_BUILTINS | abc_names
+        ):
+            found.append(f"{where}: {node.value.id}[...] at runtime needs Python 3.9")
+        elif (
+            isinstance(node, ast.BinOp)
+            and isinstance(node.op, ast.BitOr)
+            and (is_type(node.left) and is_type(node.right))
+        ):
+            found.append(f"{where}: X | Y of types at runtime needs Python 3.10")
+    return found
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--list", action="store_true", help="print the modules and stop")
@@ -82,7 +132,10 @@ def main() -> int:
     vermin = shutil.which("vermin") or str(Path(sys.executable).with_name("vermin"))
     command = [vermin, "-t=3.8-", "--no-tips", "--violations", *files]
     print(f"vermin over {len(files)} modules the IPU path imports", flush=True)
-    return subprocess.run(command, cwd=ROOT).returncode
+    status = subprocess.run(command, cwd=ROOT).returncode
+    found = [line for path in import_closure() for line in runtime_generics(path)]
+    print("\n".join(found) or "no runtime generic aliases newer than Python 3.8")
+    return status or int(bool(found))
 
 
 if __name__ == "__main__":

@@ -72,7 +72,7 @@ def test_ipu_model_training_matches_the_cpu_reference() -> None:
             [masked_mse(ref, b) for b in batches[2 * step : 2 * step + 2]]
         ).mean().backward()
         opt.step()
-    for x, y in zip(model.state_dict().values(), ref.state_dict().values()):  # noqa: B905
+    for x, y in zip(model.state_dict().values(), ref.state_dict().values()):
         torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-4)
     pred = backend.predict(batches[0])
     assert pred.shape == (batches[0].num_graphs,)
@@ -117,7 +117,7 @@ def test_schnet_adam_schedule_validation_best_weights_and_predict() -> None:
     pred = backend.predict(calls[0][0])  # a validation: the executables swap
     backend.train_call(calls[1])
     cpu_steps(ref, ref_opt, calls[:2])
-    for (name, x), y in zip(model.state_dict().items(), ref.state_dict().values()):  # noqa: B905
+    for (name, x), y in zip(model.state_dict().items(), ref.state_dict().values()):
         torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-3, msg=name)
     assert pred.shape == (calls[0][0].num_graphs,)
 

@@ -56,7 +56,7 @@ def emulator_and_reference(replicas: int, clip: float) -> tuple[nn.Module, nn.Mo
 @pytest.mark.parametrize(("replicas", "clip"), [(64, 0.05), (3, 0.0)])
 def test_replicas_in_one_process_equal_one_replica_on_the_concatenated_batch(replicas, clip):
     model, ref, records = emulator_and_reference(replicas, clip)
-    for (name, x), y in zip(model.state_dict().items(), ref.state_dict().values()):  # noqa: B905
+    for (name, x), y in zip(model.state_dict().items(), ref.state_dict().values()):
         torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-5, msg=name)
     assert len(records) == STEPS
     assert all(r["collectives"] == 1 for r in records)

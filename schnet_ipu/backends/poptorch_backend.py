@@ -135,7 +135,7 @@ def to_device_tuple(micro_batches: list[Batch]) -> tuple[Tensor, ...]:
     Each field becomes [K * n, ...] for K micro-batches; ``edge_index`` is sent as [K * E, 2].
     """
     tuples = [_batch_first(b).as_tuple() for b in micro_batches]
-    return tuple(torch.cat(parts) for parts in zip(*tuples))  # noqa: B905 (Python 3.8)
+    return tuple(torch.cat(parts) for parts in zip(*tuples))
 
 
 def _batch_first(batch: Batch) -> Batch:

@@ -9,7 +9,7 @@ Every batch must have the signature of the first one; a change raises
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import Callable  # LossFn is a runtime alias: typing's form on Python 3.8
 
 import torch
 from torch import Tensor, nn
@@ -53,7 +53,7 @@ class ShapeGuard:
         self.recompilations += 1
         changes = [
             f"{field} {_describe(old)} -> {_describe(new)}"
-            for (field, old), (_, new) in zip(self.signature, signature, strict=True)
+            for (field, old), (_, new) in zip(self.signature, signature)
             if old != new
         ]
         raise RecompilationError(
@@ -67,7 +67,7 @@ def _describe(entry: tuple | None) -> str:
     if entry is None:
         return "absent"
     shape, dtype = entry
-    return f"{list(shape)} {str(dtype).removeprefix('torch.')}"
+    return f"{list(shape)} {str(dtype).replace('torch.', '', 1)}"
 
 
 class TorchBackend:
@@ -177,7 +177,7 @@ class TorchBackend:
             molecules.append(sum(b.num_molecules for b in group))
         return [
             {"loss": float(loss), "molecules": count, "collectives": self._collectives}
-            for loss, count in zip(torch.stack(losses).tolist(), molecules, strict=True)
+            for loss, count in zip(torch.stack(losses).tolist(), molecules)
         ]
 
     @torch.no_grad()

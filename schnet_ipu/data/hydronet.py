@@ -66,7 +66,7 @@ def import_hydronet(
             chosen = np.sort(np.random.default_rng(seed).choice(total, sample_size, replace=False))
     z_parts, pos_parts, y_parts, id_parts, count_parts = [], [], [], [], []
     first = 0
-    for n, (z, pos, y) in zip(sizes, parts, strict=True):
+    for n, (z, pos, y) in zip(sizes, parts):
         rows = np.arange(len(y))
         if chosen is not None:
             lo, hi = np.searchsorted(chosen, [first, first + len(y)])

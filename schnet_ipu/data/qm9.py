@@ -190,7 +190,7 @@ def import_qm9_raw(raw_dir: str | Path, out: str | Path, progress: bool = True) 
             continue
         if gdb_id not in table:
             raise StoreError(f"{raw_dir / 'gdb9.sdf.csv'}: no row for molecule gdb_{gdb_id}")
-        for name, value in zip(TARGETS, table[gdb_id], strict=True):
+        for name, value in zip(TARGETS, table[gdb_id]):
             columns[name].append(value)
         ids.append(gdb_id)
         counts.append(len(elements))

@@ -29,7 +29,7 @@ from schnet_ipu.batch import Batch
 from schnet_ipu.config import ModelConfig
 from schnet_ipu.model.ops import IpuOps, TorchOps, get_ops, naive_shifted_softplus
 
-Ops = Union[TorchOps, IpuOps]  # noqa: UP007 (a runtime alias: the IPU path runs Python 3.8)
+Ops = Union[TorchOps, IpuOps]
 
 NUM_ELEMENTS = 100  # embedding rows, as PyG; row 0 is the padding atom
 

@@ -161,9 +161,7 @@ def assign_packs(
     edge_counts = None if edge_counts is None else np.asarray(edge_counts, dtype=np.int64)
     check_sizes(node_counts, edge_counts)
     keys, template_keys = _slot_keys(plan, node_counts, edge_counts)
-    slot_keys = np.concatenate(
-        [np.tile(t, c) for t, c in zip(template_keys, plan.counts, strict=True)]
-    )
+    slot_keys = np.concatenate([np.tile(t, c) for t, c in zip(template_keys, plan.counts)])
     if len(slot_keys) != len(keys):
         raise PackingError(
             f"plan has {len(slot_keys)} molecule slots but {len(keys)} molecules were given"
@@ -180,4 +178,4 @@ def assign_packs(
     ends = np.cumsum(lengths)
     order = rng.permutation(len(lengths))
     starts, ends = (ends - lengths)[order].tolist(), ends[order].tolist()
-    return [filled[a:b] for a, b in zip(starts, ends, strict=True)]
+    return [filled[a:b] for a, b in zip(starts, ends)]

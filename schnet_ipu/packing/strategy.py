@@ -9,10 +9,11 @@ number of slots over all packs equals the number of molecules: no slot is paddin
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Tuple, Union
 
 import numpy as np
 
-Slot = int | tuple[int, int]
+Slot = Union[int, Tuple[int, int]]  # typing forms: a runtime alias on Python 3.8 (the SDK's)
 
 
 class PackingError(ValueError):
@@ -50,7 +51,7 @@ def make_plan(
     """Build a :class:`PackPlan`, computing pack count and efficiencies from the templates."""
     num_packs = int(sum(counts))
     nodes = edges = 0
-    for template, count in zip(templates, counts, strict=True):
+    for template, count in zip(templates, counts):
         if max_edges is None:
             nodes += count * sum(template)
         else:

@@ -26,12 +26,13 @@ identical contents are one group with a count, so each step moves a whole block.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Tuple
 
 import numpy as np
 
 from schnet_ipu.packing.strategy import PackingError, PackPlan, make_plan
 
-Pair = tuple[int, int]
+Pair = Tuple[int, int]  # typing form: a runtime alias on Python 3.8 (the SDK's)
 
 HEURISTICS: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
     "product": lambda n, e: n * e,
@@ -177,7 +178,7 @@ def tuple_pack(
             left = 0 if partial else rest
 
     packs = dict(closed)
-    for template, count in zip(groups.templates, groups.packs.tolist(), strict=False):
+    for template, count in zip(groups.templates, groups.packs.tolist()):
         if count:
             packs[template] = packs.get(template, 0) + count
     templates = sorted(packs, reverse=True)

@@ -17,6 +17,14 @@ from torch import Tensor
 
 from schnet_ipu.model.ops.common import LOG2, edge_distance
 
+# torch.compiler.is_compiling appeared in torch 2.1; torch 2.0 (the Poplar SDK's) has the
+# torch._dynamo one.
+_is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+if _is_compiling is None:
+    import torch._dynamo
+
+    _is_compiling = torch._dynamo.is_compiling
+
 
 class _ShiftedSoftplus(torch.autograd.Function):
     """``log1p(exp(-|x|)) + max(x, 0) - log 2`` with the derivative ``sigmoid(x)``.
@@ -84,7 +92,7 @@ def shifted_softplus(x: Tensor) -> Tensor:
     ``log1p`` is a polynomial that inductor fuses with the exponential (float32 and narrower;
     the two agree to about 1e-7). Shape: any; returns a tensor of the same shape and dtype.
     """
-    if torch.compiler.is_compiling() and x.dtype != torch.float64:
+    if _is_compiling() and x.dtype != torch.float64:
         return _ShiftedSoftplusFused.apply(x)
     return _ShiftedSoftplus.apply(x)
 
