@@ -109,6 +109,7 @@ class BackendConfig:
     compile: bool = False  # torch.compile the step for the fixed batch signature
     threads: int = 0  # CPU threads per training process; 0 = torch's default
     dist_backend: str = "auto"  # auto (gloo on cpu, nccl on cuda) | gloo | nccl
+    executable_cache: str = ""  # PopTorch executable cache; "" = <run_dir>/executables
 
 
 @dataclass

@@ -31,9 +31,14 @@ from tqdm import tqdm
 from schnet_ipu.backends import make_backend, select_device
 from schnet_ipu.backends.distributed import (
     ReplicaInfo,
+    broadcast_parameters,
+    from_rank0,
     init_replica,
     launch_replicas,
+    popdist_instance,
+    prepare_once,
     processes_for,
+    replicas_in_call,
     shutdown_replica,
 )
 from schnet_ipu.checkpoint import (
@@ -72,7 +77,8 @@ class Metrics:
 def train(cfg: Config, fresh: bool = False) -> dict:
     """Train as configured (spawning replicas when asked) and return the final record."""
     run_dir = Path(cfg.logging.run_dir)
-    if fresh and run_dir.exists():
+    instance = popdist_instance()  # under PopRun every instance runs this: the first cleans
+    if fresh and run_dir.exists() and (instance is None or instance.is_main):
         shutil.rmtree(run_dir)
     device = select_device(cfg.backend.device)
     launch_replicas(_run_replica, processes_for(cfg.backend, device), cfg)
@@ -92,18 +98,20 @@ def run(cfg: Config) -> None:
     main = replica.is_main
     run_dir = Path(cfg.logging.run_dir)
     last_path, best_path = run_dir / "checkpoints/last.pt", run_dir / "checkpoints/best.pt"
-    resume = load_checkpoint(last_path) if last_path.exists() else None
+    resume = load_checkpoint(last_path) if main and last_path.exists() else None
+    resume = from_rank0(resume, replica)  # instances on other hosts may not see the run dir
     if resume is not None:
         check_same_run(resume["config"], cfg.to_dict(), run_dir)
 
     if cfg.backend.threads:
         torch.set_num_threads(cfg.backend.threads)
     np.random.seed(cfg.seed)
-    data = prepare_data(cfg)
+    # rank 0 imports and caches the data; the others wait for it, then read its caches
+    data = prepare_once(lambda: prepare_data(cfg), replica, Path(cfg.data.path).parent)
     model, optimizer, backend = make_trainer(cfg, data, replica, device)
     pin = device.startswith("cuda")
-    # PopTorch replicates inside one process, which then feeds all R replicas per call
-    in_call = cfg.backend.replicas // processes_for(cfg.backend, device)
+    # PopTorch (and its emulator) replicates inside one process, which feeds its replicas
+    in_call = replicas_in_call(cfg.backend, device, replica)
     train_loader = make_loader(
         cfg, data, "train", replica.rank, replica.world_size, pin, replicas_in_call=in_call
     )
@@ -120,6 +128,7 @@ def run(cfg: Config) -> None:
             set_rng_state(resume["rng"])
             start_epoch, start_call = int(resume["epoch"]), int(resume["call"])
             best_mae = float(resume["best_mae"])
+        backend.after_host_weight_load()
         log.info("resuming %s at epoch %d, host call %d", run_dir, start_epoch, start_call)
     if main:  # bad data or a bad checkpoint stopped the run above, before any write here
         if resume is None:  # records of a run that crashed before its first checkpoint
@@ -162,6 +171,7 @@ def run(cfg: Config) -> None:
         val = evaluate(backend, val_loader, data, "val", replica)
         if cfg.optim.schedule == "plateau":
             scheduler.step(val.mae)
+            backend.optimizer_changed()
         improved = val.mae < best_mae
         best_mae = min(best_mae, val.mae)
         if runlog is not None:
@@ -193,9 +203,11 @@ def run(cfg: Config) -> None:
             checkpoint(best_path, epoch + 1, 0)
         checkpoint(last_path, epoch + 1, 0)
 
+    if main:  # rank 0 wrote best.pt; the others get its weights through the group
+        model.load_state_dict(load_checkpoint(best_path)["model"])
     if replica.world_size > 1:
-        dist.barrier()
-    model.load_state_dict(load_checkpoint(best_path)["model"])
+        broadcast_parameters(model)
+    backend.after_host_weight_load()
     test_loader = make_loader(cfg, data, "test", replica.rank, replica.world_size)
     test = evaluate(backend, test_loader, data, "test", replica)
     baseline_mae = float(np.abs(data.baseline_errors("test")).mean())
@@ -274,6 +286,7 @@ def train_epoch(
                     scheduler.step()
                 losses.append(record["loss"])
                 molecules += record["molecules"]
+            backend.optimizer_changed()  # the device gets the new lr, once per host call
             calls += 1
             rate = molecules / max(time.perf_counter() - epoch_start, 1e-9)
             bar.update(1)
@@ -291,7 +304,7 @@ def train_epoch(
                     molecules_per_s=rate * replica.world_size,
                     data_seconds=data_seconds,
                     step_seconds=step_seconds,
-                    replicas=replica.world_size,
+                    replicas=cfg.backend.replicas,
                     collectives_per_step=records[-1]["collectives"],
                 )
     bar.close()
@@ -357,6 +370,7 @@ def make_trainer(
         device,
         seed=cfg.seed,
         prefetch=cfg.loader.prefetch,
+        cache_dir=cfg.backend.executable_cache or str(Path(cfg.logging.run_dir) / "executables"),
     )
     return model, optimizer, backend
 
@@ -366,7 +380,9 @@ def build_model(cfg: Config, data: PreparedData) -> SchNet:
     the ipu op flavour on ``ipu`` and ``ipu-model`` devices."""
     atom_scale = data.residual_std / math.sqrt(data.mean_atoms())
     model_cfg = cfg.model
-    if cfg.backend.device in ("ipu", "ipu-model"):  # the IPU and its emulator: mapped ops only
+    on_ipu = cfg.backend.device in ("ipu", "ipu-model")
+    if on_ipu or (cfg.backend.device == "auto" and select_device("auto") == "ipu"):
+        # the IPU (also when auto finds one) and its emulator: mapped ops only
         model_cfg = dataclasses.replace(model_cfg, ops="ipu")
     return SchNet.from_config(
         model_cfg,
@@ -379,8 +395,14 @@ def build_model(cfg: Config, data: PreparedData) -> SchNet:
 
 def make_optimizer(cfg: Config, model: torch.nn.Module, device: str) -> torch.optim.Adam:
     """Adam, as in the paper; on CPU and CUDA its fused kernel (the same update in one pass
-    over the parameters, 5x faster than the per-tensor loop for SchNet on a CPU). torch
-    before 2.4 (the Poplar SDK's 2.0.1) has no fused CPU kernel and raises if asked."""
+    over the parameters, 5x faster than the per-tensor loop for SchNet on a CPU; torch
+    before 2.4, the Poplar SDK's 2.0.1, has no fused CPU kernel and raises if asked); on the
+    IPU PopTorch's, which keeps its state on the device and clips there."""
+    if device in ("ipu", "ipu-model"):
+        from schnet_ipu.backends.poptorch_backend import make_optimizer as make_ipu_optimizer
+
+        oc = cfg.optim
+        return make_ipu_optimizer(model.parameters(), oc.lr, oc.weight_decay, oc.grad_clip)
     return torch.optim.Adam(
         model.parameters(),
         lr=cfg.optim.lr,
@@ -460,9 +482,9 @@ def load_run(run_dir: Path, checkpoint: str = "best") -> tuple[Config, PreparedD
     model = build_model(cfg, data)
     with restoring(ckpt_path):
         model.load_state_dict(state["model"])
-    backend = make_backend(
-        cfg.backend, model, torch.optim.Adam(model.parameters()), None, 0.0, ReplicaInfo()
-    )
+    device = select_device(cfg.backend.device)
+    optimizer = make_optimizer(cfg, model, device)
+    backend = make_backend(cfg.backend, model, optimizer, None, 0.0, ReplicaInfo(), device)
     return cfg, data, backend
 
 

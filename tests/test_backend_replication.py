@@ -8,6 +8,7 @@ batches with equal molecule counts is the same reduction (mean over replicas of 
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,11 @@ from schnet_ipu.backends import (
     launch_replicas,
     processes_for,
 )
-from schnet_ipu.backends.distributed import shared_memory_reduction, shutdown_replica
+from schnet_ipu.backends.distributed import (
+    prepare_once,
+    shared_memory_reduction,
+    shutdown_replica,
+)
 from schnet_ipu.backends.shared_memory import SHARED_DIR
 from schnet_ipu.batch import Batch
 from schnet_ipu.config import BackendConfig
@@ -183,3 +188,30 @@ def test_poptorch_devices_replicate_in_one_process() -> None:
     assert processes_for(cfg, "cpu") == 4
     assert processes_for(cfg, "ipu") == processes_for(cfg, "ipu-model") == 1
     assert init_replica(cfg, "ipu") == ReplicaInfo()
+
+
+def preparing_worker(rank: int, world: int, work_dir: Path, rank0_seconds: float) -> None:
+    """Each rank 'prepares' by appending its rank to a log; rank 0 takes rank0_seconds."""
+    replica = init_replica(BackendConfig(device="cpu", replicas=world), "cpu")
+
+    def prepare() -> int:
+        if rank == 0:
+            time.sleep(rank0_seconds)
+        with (work_dir / "log").open("a") as log:
+            log.write(f"{rank}\n")
+        return rank
+
+    assert prepare_once(prepare, replica, work_dir, timeout_s=2.0) == rank
+    shutdown_replica()
+
+
+def test_rank0_prepares_the_data_before_the_others(tmp_path: Path) -> None:
+    launch_replicas(preparing_worker, 2, 2, tmp_path, 0.5)
+    order = (tmp_path / "log").read_text().split()
+    assert order == ["0", "1"]
+    assert not list(tmp_path.glob(".prepared-*"))  # the marker is removed afterwards
+
+
+def test_waiting_for_rank0_times_out_with_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(mp.ProcessRaisedException, match="rank 0 did not finish preparing"):
+        launch_replicas(preparing_worker, 2, 2, tmp_path, 30.0)

@@ -146,6 +146,16 @@ def test_two_replicas_train_with_one_merged_allreduce(store, tmp_path):
     assert final["test_molecules"] == 60  # both replicas' shares, each molecule once
 
 
+def test_ipu_model_emulates_four_replicas_in_one_process(store, tmp_path):
+    """backend.device=ipu-model without PopTorch: one process feeds 4 replicas per call."""
+    run_dir = tmp_path / "run"
+    overrides = tiny(store, run_dir, "optim.epochs=1", "backend.device=ipu-model")
+    final = train(load_config(None, [*overrides, "backend.replicas=4"]))
+    step = read_records(run_dir / "metrics.jsonl", "step")[0]
+    assert step["replicas"] == 4 and step["collectives_per_step"] == 1
+    assert final["test_molecules"] == 60
+
+
 def test_cli_prints_config_and_rejects_unknown_keys():
     run = [sys.executable, str(ROOT / "train.py"), "--config", "configs/qm9.yaml"]
     shown = subprocess.run(

@@ -6,11 +6,12 @@
     records = backend.train_call(micro_batches)  # D x A batches -> D step records
     pred = backend.predict(batch)  # [G]
 
-``ipu`` and ``ipu-model`` (with PopTorch) run through :mod:`.poptorch_backend`; ``cpu``,
-``cuda`` and ``ipu-model`` without PopTorch (the CPU emulation of the IPU execution model:
-fixed shapes, replicas, device iterations, accumulation, merged all-reduce) run through
-:class:`TorchBackend`; for ``ipu-model`` its first training step and first prediction also
-refuse, by name, any aten op PopTorch 3.4.0 cannot lower (:mod:`.poptorch_ops`).
+``ipu`` and ``ipu-model`` (with PopTorch) run through :mod:`.poptorch_backend`; ``ipu-model``
+without PopTorch through :mod:`.ipu_emulator` (the CPU emulation of PopTorch's execution
+model: one process drives R replicas, fixed shapes, device iterations, accumulation, one
+merged gradient reduction; its first training step and first prediction refuse, by name, any
+aten op PopTorch 3.4.0 cannot lower, :mod:`.poptorch_ops`); ``cpu`` and ``cuda`` through
+:class:`TorchBackend` (one process per replica).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from schnet_ipu.backends.distributed import (
     init_replica,
     launch_replicas,
     processes_for,
+    replicas_in_call,
 )
 from schnet_ipu.backends.torch_backend import LossFn, RecompilationError, TorchBackend
 from schnet_ipu.config import BackendConfig
@@ -43,6 +45,7 @@ __all__ = [
     "make_backend",
     "poptorch_available",
     "processes_for",
+    "replicas_in_call",
     "select_device",
 ]
 
@@ -97,20 +100,35 @@ def make_backend(
     device: str | None = None,
     seed: int = 0,
     prefetch: int = 4,
+    cache_dir: str = "",
 ):
     """The backend for ``backend_cfg`` (device resolved with :func:`select_device` if not given).
 
-    ``seed`` and ``prefetch`` (the host-to-device buffering depth) are used by PopTorch.
+    ``seed``, ``prefetch`` (the host-to-device buffering depth) and ``cache_dir`` (the
+    executable cache) are used by PopTorch, which clips gradients in its optimiser.
 
-    Returns a :class:`TorchBackend` or a ``PoptorchBackend``; both offer ``train_call``,
-    ``predict``, ``recompilations`` and ``collectives_per_step``.
+    Returns a :class:`TorchBackend`, an ``IpuEmulatorBackend`` or a ``PoptorchBackend``; all
+    offer ``train_call``, ``predict``, ``recompilations``, ``collectives_per_step``,
+    ``optimizer_changed`` and ``after_host_weight_load``.
     """
     device = device or select_device(backend_cfg.device)
     if device in ("ipu", "ipu-model"):
         from schnet_ipu.backends.poptorch_backend import PoptorchBackend
 
         return PoptorchBackend(
-            backend_cfg, model, optimizer, loss_fn, grad_clip, replica, prefetch, seed
+            backend_cfg, model, optimizer, loss_fn, replica, prefetch, seed, cache_dir
+        )
+    if backend_cfg.device == "ipu-model":  # no PopTorch: emulate it on the CPU
+        from schnet_ipu.backends.ipu_emulator import IpuEmulatorBackend
+
+        return IpuEmulatorBackend(
+            model,
+            optimizer,
+            loss_fn,
+            replicas=backend_cfg.replicas // (replica or ReplicaInfo()).world_size,
+            device_iterations=backend_cfg.device_iterations,
+            gradient_accumulation=backend_cfg.gradient_accumulation,
+            grad_clip=grad_clip,
         )
     return TorchBackend(
         model,
@@ -124,5 +142,4 @@ def make_backend(
         compile=backend_cfg.compile,
         grad_clip=grad_clip,
         replica=replica,
-        check_ops=backend_cfg.device == "ipu-model",  # refuse ops PopTorch 3.4.0 cannot lower
     )

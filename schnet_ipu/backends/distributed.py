@@ -6,8 +6,14 @@ A replica is one process. Three ways to get R of them:
   free localhost port, unless the program already runs under ``torchrun``;
 * ``torchrun --nproc-per-node ...`` (multi-node GPU clusters) sets RANK, WORLD_SIZE,
   LOCAL_RANK, MASTER_ADDR and MASTER_PORT, which :func:`init_replica` reads;
-* PopRun (multi-host IPU-PODs) starts one instance per host group; the instance index comes
-  from popdist, and PopTorch replicates inside each instance.
+* PopRun (multi-host IPU-PODs) starts one instance per host group; the instance index and
+  count come from popdist, PopTorch replicates inside each instance (R / instances local
+  replicas), and a gloo group over the instances (rank and size from popdist, rendezvous at
+  MASTER_ADDR:MASTER_PORT, which scripts/poprun.py exports) serves evaluation sums,
+  barriers and broadcasts.
+
+PopTorch and its CPU emulator (``backend.device`` ipu or ipu-model) drive all replicas of an
+instance from one process: :func:`processes_for` and :func:`replicas_in_call` say so.
 
 Gradient reduction is a mean over replicas (sum, then divide by R), PopTorch's default. With
 ``merge_allreduce`` all gradients travel in one flat buffer: one collective per optimiser step.
@@ -20,9 +26,12 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,6 +44,7 @@ from schnet_ipu.config import BackendConfig
 from schnet_ipu.errors import EXIT_USER_ERROR, UserError
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+IPU_DEVICES = ("ipu", "ipu-model")
 _spawn_barrier = None  # the barrier of the replicas spawned together with this process
 
 
@@ -70,24 +80,45 @@ def popdist_instance() -> ReplicaInfo | None:
     return ReplicaInfo(popdist.getInstanceIndex(), popdist.getNumInstances(), 0)
 
 
+def one_process_drives_replicas(backend_cfg: BackendConfig, device: str) -> bool:
+    """True for PopTorch and its CPU emulator (``backend.device=ipu-model`` resolved to
+    "cpu"), which replicate inside one process per instance."""
+    return device in IPU_DEVICES or backend_cfg.device in IPU_DEVICES
+
+
 def processes_for(backend_cfg: BackendConfig, device: str) -> int:
-    """Replica processes to launch: R for torch devices, 1 for PopTorch, which replicates
-    inside one process (``device`` is what :func:`~schnet_ipu.backends.select_device` gave)."""
-    return 1 if device in ("ipu", "ipu-model") else backend_cfg.replicas
+    """Replica processes to launch here: R for torch devices, 1 for PopTorch and its
+    emulator (``device`` is what :func:`~schnet_ipu.backends.select_device` gave)."""
+    return 1 if one_process_drives_replicas(backend_cfg, device) else backend_cfg.replicas
+
+
+def replicas_in_call(backend_cfg: BackendConfig, device: str, replica: ReplicaInfo) -> int:
+    """Replicas one process feeds per host call: 1 for torch devices, this instance's
+    replicas (R / instances; R without PopRun) for PopTorch and its emulator."""
+    if not one_process_drives_replicas(backend_cfg, device):
+        return 1
+    if backend_cfg.replicas % replica.world_size:
+        raise ValueError(
+            f"backend.replicas={backend_cfg.replicas} must be a multiple of the "
+            f"{replica.world_size} PopRun instances"
+        )
+    return backend_cfg.replicas // replica.world_size
 
 
 def init_replica(backend_cfg: BackendConfig, device: str, timeout_s: float = 600.0) -> ReplicaInfo:
     """Join the process group described by the environment; one process means no group.
 
-    Under PopRun the instance comes from popdist and PopTorch does the collectives, so no
-    ``torch.distributed`` group is made; nor on one IPU host. Otherwise WORLD_SIZE > 1 (set
-    by torchrun or by :func:`launch_replicas`) initialises ``torch.distributed`` with gloo
-    (CPU) or nccl (CUDA).
+    Under PopRun the instance comes from popdist, PopTorch reduces the gradients, and the
+    instances join a gloo group (:func:`join_poprun_group`) for evaluation sums and barriers.
+    PopTorch or its emulator on one host is one process, without a group. Otherwise
+    WORLD_SIZE > 1 (set by torchrun or by :func:`launch_replicas`) initialises
+    ``torch.distributed`` with gloo (CPU) or nccl (CUDA).
     """
     instance = popdist_instance()
     if instance is not None:
+        join_poprun_group(backend_cfg, instance, timeout_s)
         return instance
-    if device in ("ipu", "ipu-model"):  # PopTorch replicates inside this process
+    if one_process_drives_replicas(backend_cfg, device):  # replicas inside this process
         return ReplicaInfo()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size == 1:
@@ -112,6 +143,75 @@ def init_replica(backend_cfg: BackendConfig, device: str, timeout_s: float = 600
             timeout=timedelta(seconds=timeout_s),
         )
     return replica
+
+
+def join_poprun_group(backend_cfg: BackendConfig, instance: ReplicaInfo, timeout_s: float) -> None:
+    """Check PopRun's replica counts against the config, then join the instances' gloo group.
+
+    popdist's rank and size are the instance index and count; the rendezvous is
+    MASTER_ADDR:MASTER_PORT (exported to every instance by the command scripts/poprun.py
+    writes).
+    """
+    import popdist
+
+    total, local = popdist.getNumTotalReplicas(), popdist.getNumLocalReplicas()
+    if total != backend_cfg.replicas or local * instance.world_size != total:
+        raise RuntimeError(
+            f"PopRun runs {total} replicas ({local} per instance, {instance.world_size} "
+            f"instances) but backend.replicas={backend_cfg.replicas}; pass the same count to "
+            "poprun --num-replicas and the config (scripts/poprun.py does)"
+        )
+    if instance.world_size == 1 or dist.is_initialized():
+        return
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"PopRun with {instance.world_size} instances needs {' and '.join(missing)} in "
+            "every instance's environment for the evaluation process group; start it with "
+            "the command scripts/poprun.py prints (it exports them)"
+        )
+    dist.init_process_group(
+        "gloo",
+        rank=instance.rank,
+        world_size=instance.world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+
+
+def prepare_once(
+    prepare: Callable[[], Any], replica: ReplicaInfo, marker_dir: Path, timeout_s: float = 7200
+) -> Any:
+    """``prepare()`` on rank 0 first, then on the others (which then only read its caches).
+
+    The others wait for a marker file that rank 0 writes in ``marker_dir`` (a folder every
+    process sees, the data folder) when it is done; its name carries a token rank 0
+    broadcasts, so a marker left by an earlier run is never taken for this one. Raises
+    TimeoutError after ``timeout_s`` seconds without the marker. One process: just prepare.
+    """
+    if replica.world_size == 1:
+        return prepare()
+    token = [uuid.uuid4().hex if replica.is_main else None]
+    dist.broadcast_object_list(token, src=0)
+    marker = Path(marker_dir) / f".prepared-{token[0]}"
+    if replica.is_main:
+        result = prepare()
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+    else:
+        deadline = time.monotonic() + timeout_s
+        while not marker.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"rank {replica.rank}: rank 0 did not finish preparing the data within "
+                    f"{timeout_s:.0f} s (no {marker}); check rank 0's log, and that "
+                    f"{marker_dir} is on a file system every instance shares"
+                )
+            time.sleep(1.0)
+        result = prepare()
+    dist.barrier()
+    if replica.is_main:
+        marker.unlink()
+    return result
 
 
 def shutdown_replica() -> None:
@@ -255,6 +355,15 @@ def per_parameter_allreduce(grads: list[Tensor], world_size: int) -> int:
         dist.all_reduce(grad, op=dist.ReduceOp.SUM)
         grad.div_(world_size)
     return len(grads)
+
+
+def from_rank0(obj: Any, replica: ReplicaInfo) -> Any:
+    """Rank 0's ``obj`` (any picklable object, e.g. a checkpoint) on every rank."""
+    if replica.world_size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def broadcast_parameters(model: nn.Module) -> None:

@@ -196,6 +196,12 @@ class TorchBackend:
         self._unchecked.discard(kind)
         return check_poptorch_ops(lambda: fn(self.model))
 
+    def optimizer_changed(self) -> None:
+        """Called after the host changed the optimiser (lr schedule): nothing to send here."""
+
+    def after_host_weight_load(self) -> None:
+        """Called after weights were loaded into the model: they are already in use here."""
+
     def _to_device(self, batch: Batch) -> Batch:
         if self.device.type != "cuda":
             return batch.to(self.device)
