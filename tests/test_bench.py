@@ -122,3 +122,12 @@ def test_ablation_two_replicas_compiled(store: Path, tmp_path: Path) -> None:
     )
     loaded = check_report(report, "ablation", tmp_path, ablation)
     assert len(loaded["results"]) == len(ablation.STEPS)
+
+
+def test_model(store: Path, tmp_path: Path) -> None:
+    from schnet_ipu.bench import model
+
+    loaded = check_report(model.run(True, str(store)), "model", tmp_path, model)
+    names = {r["name"] for r in loaded["results"]}
+    assert {"ours knn", "pyg knn", "pyg radius"} <= names
+    assert all(r["molecules_per_s"] > 0 for r in loaded["results"])

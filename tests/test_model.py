@@ -12,14 +12,14 @@ import torch.nn.functional as F
 from torch_geometric.nn.models import SchNet as PygSchNet
 
 from schnet_ipu.batch import Batch
-from schnet_ipu.config import ModelConfig
-from schnet_ipu.model import SchNet, masked_mse, shifted_softplus
-from schnet_ipu.model.benchmark import (
+from schnet_ipu.bench.model import (
     load_molecules,
     molecules_to_batch,
     pair_array,
     plan_packs,
 )
+from schnet_ipu.config import ModelConfig
+from schnet_ipu.model import SchNet, masked_mse, shifted_softplus
 from schnet_ipu.model.ops import (
     _ShiftedSoftplusFused,
     knn_graph_packed,

@@ -1,6 +1,7 @@
 """``python -m schnet_ipu.bench SUITE [--quick] [--json PATH] [--out-dir DIR] [--store PATH]``.
 
-Suites: throughput, ablation, batching, loader, scaling. Each prints a table and writes
+Suites: throughput, ablation, batching, loader, scaling, model (forward+backward against
+PyG's SchNet), replication (replicas x gradient reduction). Each prints a table and writes
 ``SUITE.json``, ``SUITE.md`` and ``SUITE.png`` in ``--out-dir``.
 """
 
@@ -12,7 +13,7 @@ import logging
 
 from schnet_ipu.bench.common import QM9_STORE, write_report
 
-SUITES = ("throughput", "ablation", "batching", "loader", "scaling")
+SUITES = ("throughput", "ablation", "batching", "loader", "scaling", "model", "replication")
 
 
 def main(argv: list[str] | None = None) -> dict:
