@@ -95,6 +95,8 @@ class BackendConfig:
     compile: bool = False  # torch.compile the step for the fixed batch signature
     threads: int = 0  # CPU threads per training process; 0 = torch's default
     dist_backend: str = "auto"  # auto (gloo on cpu, nccl on cuda) | gloo | nccl
+    cuda_graphs: str = "auto"  # whole step as one CUDA graph: auto (on for cuda) | true | false
+    precision: str = "fp32"  # fp32 | tf32 (CUDA matmuls) | bf16 (autocast, fp32 weights)
 
 
 @dataclass
@@ -135,6 +137,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "optim.schedule": ("plateau", "cosine", "constant"),
     "backend.device": ("auto", "cpu", "cuda", "ipu", "ipu-model"),
     "backend.dist_backend": ("auto", "gloo", "nccl"),
+    "backend.cuda_graphs": ("auto", "true", "false"),
+    "backend.precision": ("fp32", "tf32", "bf16"),
     "logging.wandb_mode": ("offline", "online", "disabled"),
 }
 
@@ -259,6 +263,11 @@ def validate(cfg: Config) -> None:
         )
     if cfg.backend.dist_backend == "nccl" and cfg.backend.device == "cpu":
         raise ConfigError("backend.dist_backend=nccl needs CUDA; use gloo with backend.device=cpu")
+    if cfg.backend.cuda_graphs == "true" and cfg.backend.device not in ("auto", "cuda"):
+        raise ConfigError(
+            f"backend.cuda_graphs=true needs CUDA, but backend.device={cfg.backend.device}; "
+            "use backend.cuda_graphs=auto (on for CUDA only) or false"
+        )
 
 
 # --- building dataclasses from plain data -------------------------------------------------
@@ -313,6 +322,8 @@ def _convert(value: Any, hint: Any, dotted: str) -> Any:
                 pass
     elif hint is str and isinstance(value, str):
         return value
+    elif hint is str and isinstance(value, bool):  # YAML reads true/false as booleans
+        return str(value).lower()
     raise ConfigError(f"{dotted} expects {hint.__name__}, got {value!r} ({type(value).__name__})")
 
 

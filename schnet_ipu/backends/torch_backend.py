@@ -5,15 +5,25 @@ D optimiser steps, each accumulating A micro-batches (loss divided by A: a mean)
 mean all-reduce of gradients over replicas, gradient clipping, and the optimiser step.
 Every batch must have the signature of the first one; a change raises
 :class:`RecompilationError` instead of silently recompiling.
+
+On CUDA the whole optimiser step is captured once as a CUDA graph and replayed
+(:mod:`.cuda_graph`). Nothing in a step waits for the device: each step's loss stays a
+device tensor until the caller reads it.
+
+``precision``: ``fp32``; ``tf32`` (CUDA matmuls in TensorFloat-32; the same as fp32 on a CPU);
+``bf16`` (``torch.autocast`` to bfloat16 around the forward pass and loss, fp32 master weights
+and optimiser; the model keeps distances, softplus and sums in fp32).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
 
+from schnet_ipu.backends.cuda_graph import CapturedStep
 from schnet_ipu.backends.distributed import (
     ReplicaInfo,
     broadcast_parameters,
@@ -25,6 +35,7 @@ from schnet_ipu.backends.distributed import (
 from schnet_ipu.batch import Batch
 
 LossFn = Callable[[nn.Module, Batch], Tensor]
+PRECISIONS = ("fp32", "tf32", "bf16")
 
 
 class RecompilationError(RuntimeError):
@@ -86,6 +97,8 @@ class TorchBackend:
         compile_backend: the torch.compile backend ("aot_eager" skips code generation).
         grad_clip: max gradient norm after the replica reduction; 0 disables clipping.
         replica: this process's rank among the replicas (from ``init_replica``).
+        precision: ``fp32``, ``tf32`` or ``bf16`` (see the module docstring).
+        cuda_graphs: capture the optimiser step as a CUDA graph (CUDA devices only).
     """
 
     def __init__(
@@ -102,11 +115,18 @@ class TorchBackend:
         compile_backend: str = "inductor",
         grad_clip: float = 0.0,
         replica: ReplicaInfo | None = None,
+        precision: str = "fp32",
+        cuda_graphs: bool = False,
     ) -> None:
         self.replica = replica or ReplicaInfo()
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", self.replica.local_rank)
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        if cuda_graphs and self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, not {self.device}")
+        self.precision = precision
         self.model = model.to(self.device)
         self.optimizer = optimizer
         self.loss_fn = loss_fn
@@ -127,6 +147,15 @@ class TorchBackend:
             broadcast_parameters(self.model)
             if merge_allreduce and shared_memory_allreduce and self.device.type == "cpu":
                 self._shared_reduction = shared_memory_reduction(self.replica)
+        self._captured = None
+        if cuda_graphs:
+            self._captured = CapturedStep(self._step, self.model, optimizer, self.device)
+
+    @property
+    def graph_captures(self) -> int:
+        """CUDA graphs captured (1 once training started with graphs, else 0); more than one
+        would be a re-capture, which fixed shapes rule out."""
+        return 0 if self._captured is None else self._captured.captures
 
     @property
     def recompilations(self) -> int:
@@ -141,7 +170,8 @@ class TorchBackend:
     def train_call(self, micro_batches: list[Batch]) -> list[dict]:
         """Run D optimiser steps over exactly D x A micro-batches of this replica.
 
-        Returns one record per step: ``loss`` (mean over its A micro-batches, this replica),
+        Returns one record per step: ``loss`` (mean over its A micro-batches, this replica; a
+        0-d tensor on the device, so reading it is the caller's one synchronisation),
         ``molecules`` (real molecules in them, this replica) and ``collectives``.
         """
         steps, accum = self.device_iterations, self.gradient_accumulation
@@ -153,32 +183,62 @@ class TorchBackend:
         for batch in micro_batches:
             self._train_guard.check(batch)
         self.model.train()
-        losses, molecules = [], []
+        records = []
         for step in range(steps):
             group = micro_batches[step * accum : (step + 1) * accum]
-            self.optimizer.zero_grad(set_to_none=True)
-            step_loss = torch.zeros((), device=self.device)
-            for batch in group:
-                loss = self.loss_fn(self._run_model, self._to_device(batch))
-                (loss / accum).backward()
-                step_loss += loss.detach()
-            self._collectives = self.reduce_gradients()
-            if self.grad_clip > 0:
-                nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
-            self.optimizer.step()
-            losses.append(step_loss / accum)
-            molecules.append(sum(b.num_molecules for b in group))
-        return [
-            {"loss": float(loss), "molecules": count, "collectives": self._collectives}
-            for loss, count in zip(torch.stack(losses).tolist(), molecules, strict=True)
-        ]
+            with self._matmul_precision():
+                if self._captured is not None:
+                    loss = self._captured(group).clone()  # the graph overwrites its output
+                else:
+                    loss = self._step([self._to_device(b) for b in group])
+            molecules = sum(b.num_molecules for b in group)  # host batches: no device sync
+            records.append({"loss": loss, "molecules": molecules, "collectives": self._collectives})
+        return records
+
+    def _step(self, group: list[Batch]) -> Tensor:
+        """One optimiser step over A device batches -> their mean loss [] (never read here)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        step_loss = torch.zeros((), device=self.device)
+        for batch in group:
+            with self._autocast():
+                loss = self.loss_fn(self._run_model, batch)
+            (loss / len(group)).backward()
+            step_loss += loss.detach()
+        self._collectives = self.reduce_gradients()
+        if self.grad_clip > 0:  # foreach, and no check of the norm: nothing waits for it
+            nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip, foreach=True)
+        self.optimizer.step()
+        return step_loss / len(group)
+
+    def _autocast(self) -> torch.autocast:
+        """bf16: autocast the forward pass (no weight-cast cache, which graph capture forbids)."""
+        return torch.autocast(
+            self.device.type,
+            dtype=torch.bfloat16,
+            enabled=self.precision == "bf16",
+            cache_enabled=False if self._captured is not None else None,
+        )
+
+    @contextmanager
+    def _matmul_precision(self) -> Iterator[None]:
+        """tf32 on CUDA: TensorFloat-32 matmuls for this step only (the flag is global)."""
+        if self.precision != "tf32" or self.device.type != "cuda":
+            yield
+            return
+        matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        try:
+            yield
+        finally:
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
 
     @torch.no_grad()
     def predict(self, batch: Batch) -> Tensor:
         """Predictions [G] for one batch, in eval mode, returned on the host."""
         self._predict_guard.check(batch)
         self.model.eval()
-        return self._run_model(self._to_device(batch)).cpu()
+        with self._matmul_precision(), self._autocast():
+            return self._run_model(self._to_device(batch)).cpu()
 
     def _to_device(self, batch: Batch) -> Batch:
         if self.device.type != "cuda":

@@ -46,6 +46,7 @@ class ShiftedSoftplus(nn.Module):
         self.stable = stable
 
     def forward(self, x: Tensor) -> Tensor:
+        x = x.float()  # fp32 under bf16 autocast
         return shifted_softplus(x) if self.stable else naive_shifted_softplus(x)
 
 
@@ -100,7 +101,7 @@ class CFConv(nn.Module):
         reduction; otherwise a 1-D ``index_add_`` that assumes no ordering. -> [N, C_out]
         """
         filt = self.filter(rbf, cut)  # [E', F]
-        x = self.lin1(x)
+        x = self.lin1(x).float()  # messages and their sums in fp32 under bf16 autocast
         if filt.shape[0] < edge_index.shape[1]:  # both directions of a pair share its filter
             return self.lin2(pair_symmetric_conv(x, edge_index, filt))
         msg = gather(x, edge_index[0]) * filt  # [E, F]
@@ -308,7 +309,7 @@ class SchNet(nn.Module):
         for interaction in self.interactions:
             h = h + interaction(h, edge_index, rbf, cut, knn)
 
-        out = self.lin2(self.act(self.lin1(h))).view(num_nodes)  # [N]
+        out = self.lin2(self.act(self.lin1(h))).float().view(num_nodes)  # [N], fp32 readout
         out = out * self.std + self.mean
         if self.atomref is not None:
             out = out + self.atomref(batch.z).view(num_nodes)
