@@ -215,4 +215,4 @@ def edge_distance(pos: Tensor, edge_index: Tensor, edge_mask: Tensor, cutoff: fl
     """
     diff = gather(pos, edge_index[0]) - gather(pos, edge_index[1])
     sq = diff.square().sum(-1)
-    return torch.where(edge_mask, sq, sq.new_tensor(cutoff * cutoff)).sqrt()
+    return torch.where(edge_mask, sq, cutoff * cutoff).sqrt()  # a scalar: no host copy
