@@ -197,6 +197,7 @@ def run(cfg: Config) -> None:
             unit=data.unit,
             test_molecules=test.molecules,
             recompilations=backend.recompilations,
+            cuda_graph_captures=getattr(backend, "graph_captures", 0),  # > 1: a re-capture
             wall_seconds=time.perf_counter() - wall_start,
         )
         log.info(

@@ -66,6 +66,7 @@ def test_run_directory_contract(store, tmp_path):
     step = read_records(run_dir / "metrics.jsonl", "step")[0]
     assert step["replicas"] == 1 and step["collectives_per_step"] == 0
     assert final["unit"] == "eV" and final["test_molecules"] == 60
+    assert final["cuda_graph_captures"] == 0  # backend.cuda_graphs=auto is off on a CPU
     for key in ("test_mae", "test_rmse", "baseline_test_mae", "wall_seconds"):
         assert final[key] > 0
     assert final["test_rmse"] >= final["test_mae"]
