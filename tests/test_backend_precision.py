@@ -101,3 +101,35 @@ def test_cuda_graphs_true_without_cuda_is_a_config_error() -> None:
         TorchBackend(model, optimizer, schnet_loss, cuda_graphs=True)
     with pytest.raises(ValueError, match=r"precision must be one of"):
         TorchBackend(model, optimizer, schnet_loss, precision="fp16")
+
+
+@pytest.mark.parametrize("resumed", [False, True])
+def test_capture_warm_up_is_undone_before_the_first_real_step(resumed: bool) -> None:
+    """The steps run before capture leave no trace: weights and Adam state (fresh or
+    resumed) come back, so the first replayed step is the eager first step. (On a CPU the
+    restore runs without the graph, which needs CUDA.)"""
+    from schnet_ipu.backends.cuda_graph import CapturedStep
+
+    def setup() -> tuple[SchNet, torch.optim.Optimizer, TorchBackend]:
+        model = schnet()
+        optimizer = torch.optim.Adam(model.parameters(), lr=3e-3, fused=True)
+        backend = TorchBackend(model, optimizer, schnet_loss, grad_clip=10.0)
+        if resumed:
+            backend.train_call([BATCHES[2]])
+        return model, optimizer, backend
+
+    model, optimizer, backend = setup()
+    captured = CapturedStep(backend._step, model, optimizer, torch.device("cpu"))
+    saved = captured._snapshot()
+    for batch in BATCHES:  # the warm-up steps
+        backend._step([batch])
+    captured._restore(saved)
+    backend._step([BATCHES[0]])
+
+    reference, reference_optimizer, reference_backend = setup()
+    reference_backend._step([BATCHES[0]])
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for got, want in zip(optimizer.state.values(), reference_optimizer.state.values(), strict=True):
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], rtol=0, atol=0)
