@@ -326,7 +326,8 @@ def evaluate(
         sums += torch.tensor(
             [np.abs(error).sum(), (error**2).sum(), ((error / scale) ** 2).sum(), len(error)]
         )
-    if replica.world_size > 1:
+    if replica.world_size > 1:  # on the replica's device: NCCL reduces CUDA tensors only
+        sums = sums.to(getattr(backend, "device", "cpu"))
         dist.all_reduce(sums)
     abs_sum, sq_sum, loss_sum, count = sums.tolist()
     if count == 0:
