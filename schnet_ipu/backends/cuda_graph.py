@@ -95,8 +95,9 @@ class CapturedStep:
         torch.cuda.current_stream(self.device).wait_stream(side)
         self._restore(saved)
         self.graph = torch.cuda.CUDAGraph()
+        # captured on the warm-up stream, whose library handles and workspaces exist now;
         # thread_local: loader threads may pin host memory while this thread captures
-        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+        with torch.cuda.graph(self.graph, stream=side, capture_error_mode="thread_local"):
             self.loss = self.run_step(self.inputs)
         self.captures += 1
 
