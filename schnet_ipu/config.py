@@ -110,6 +110,8 @@ class BackendConfig:
     threads: int = 0  # CPU threads per training process; 0 = torch's default
     dist_backend: str = "auto"  # auto (gloo on cpu, nccl on cuda) | gloo | nccl
     executable_cache: str = ""  # PopTorch executable cache; "" = <run_dir>/executables
+    cuda_graphs: str = "auto"  # whole step as one CUDA graph: auto (on for cuda) | true | false
+    precision: str = "fp32"  # fp32 | tf32 (CUDA matmuls) | bf16 (autocast, fp32 weights)
 
 
 @dataclass
@@ -151,6 +153,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "optim.schedule": ("plateau", "cosine", "constant"),
     "backend.device": ("auto", "cpu", "cuda", "ipu", "ipu-model"),
     "backend.dist_backend": ("auto", "gloo", "nccl"),
+    "backend.cuda_graphs": ("auto", "true", "false"),
+    "backend.precision": ("fp32", "tf32", "bf16"),
     "logging.wandb_mode": ("offline", "online", "disabled"),
 }
 
@@ -279,6 +283,11 @@ def validate(cfg: Config) -> None:
         )
     if cfg.backend.dist_backend == "nccl" and cfg.backend.device == "cpu":
         raise ConfigError("backend.dist_backend=nccl needs CUDA; use gloo with backend.device=cpu")
+    if cfg.backend.cuda_graphs == "true" and cfg.backend.device not in ("auto", "cuda"):
+        raise ConfigError(
+            f"backend.cuda_graphs=true needs CUDA, but backend.device={cfg.backend.device}; "
+            "use backend.cuda_graphs=auto (on for CUDA only) or false"
+        )
 
 
 # --- building dataclasses from plain data -------------------------------------------------
@@ -333,6 +342,8 @@ def _convert(value: Any, hint: Any, dotted: str) -> Any:
                 pass
     elif hint is str and isinstance(value, str):
         return value
+    elif hint is str and isinstance(value, bool):  # YAML reads true/false as booleans
+        return str(value).lower()
     raise ConfigError(f"{dotted} expects {hint.__name__}, got {value!r} ({type(value).__name__})")
 
 

@@ -182,7 +182,7 @@ def run(cfg: Config) -> None:
                 val_loss=val.loss,
                 val_mae=val.mae,
                 val_rmse=val.rmse,
-                lr=optimizer.param_groups[0]["lr"],
+                lr=float(optimizer.param_groups[0]["lr"]),
                 molecules_per_s=train_stats["molecules_per_s"],
                 data_seconds=train_stats["data_seconds"],
                 step_seconds=train_stats["step_seconds"],
@@ -221,6 +221,7 @@ def run(cfg: Config) -> None:
             unit=data.unit,
             test_molecules=test.molecules,
             recompilations=backend.recompilations,
+            cuda_graph_captures=getattr(backend, "graph_captures", 0),  # > 1: a re-capture
             wall_seconds=time.perf_counter() - wall_start,
         )
         log.info(
@@ -250,9 +251,14 @@ def train_epoch(
     replica: ReplicaInfo,
     stop: StopFlag,
 ) -> dict:
-    """One epoch of host calls; returns its mean loss, throughput and time split."""
+    """One epoch of host calls; returns its mean loss, throughput and time split.
+
+    The step losses stay on the device: they are read (one synchronisation) every
+    ``logging.log_every`` host calls and at the end of the epoch, and checked then.
+    """
     steps_per_call = cfg.backend.device_iterations
     losses, molecules = [], 0
+    pending: list = []  # losses of the steps since the last read, on the device
     data_seconds = step_seconds = 0.0
     calls = first_call
     bar = tqdm(
@@ -275,38 +281,35 @@ def train_epoch(
             done = time.perf_counter()
             data_seconds += tock - tick
             step_seconds += done - tock
-            for i, record in enumerate(records):
-                step = (epoch * len(loader) + calls) * steps_per_call + i
-                if not math.isfinite(record["loss"]):
-                    raise TrainingError(
-                        f"non-finite loss ({record['loss']}) at epoch {epoch}, step {step}; "
-                        "the last checkpoint is kept. Lower optim.lr or set optim.grad_clip."
-                    )
+            for record in records:
                 if cfg.optim.schedule != "plateau":
                     scheduler.step()
-                losses.append(record["loss"])
+                pending.append(record["loss"])
                 molecules += record["molecules"]
             backend.optimizer_changed()  # the device gets the new lr, once per host call
             calls += 1
-            rate = molecules / max(time.perf_counter() - epoch_start, 1e-9)
+            step = (epoch * len(loader) + calls) * steps_per_call  # steps done so far
             bar.update(1)
-            bar.set_postfix(
-                loss=f"{records[-1]['loss']:.4f}", mol_s=f"{rate * replica.world_size:.0f}"
-            )
-            if runlog is not None and calls % cfg.logging.log_every == 0:
+            if calls % cfg.logging.log_every:
+                continue
+            losses += read_losses(pending, epoch, step)
+            rate = molecules / max(time.perf_counter() - epoch_start, 1e-9)
+            bar.set_postfix(loss=f"{losses[-1]:.4f}", mol_s=f"{rate * replica.world_size:.0f}")
+            if runlog is not None:
                 runlog.write(
                     "step",
                     epoch=epoch,
                     call=calls,
-                    step=step + 1,
-                    loss=records[-1]["loss"],
-                    lr=scheduler.optimizer.param_groups[0]["lr"],
+                    step=step,
+                    loss=losses[-1],
+                    lr=float(scheduler.optimizer.param_groups[0]["lr"]),
                     molecules_per_s=rate * replica.world_size,
                     data_seconds=data_seconds,
                     step_seconds=step_seconds,
                     replicas=cfg.backend.replicas,
                     collectives_per_step=records[-1]["collectives"],
                 )
+    losses += read_losses(pending, epoch, (epoch * len(loader) + calls) * steps_per_call)
     bar.close()
     seconds = time.perf_counter() - epoch_start
     return {
@@ -317,6 +320,24 @@ def train_epoch(
         "seconds": seconds,
         "calls": calls,
     }
+
+
+def read_losses(pending: list, epoch: int, end_step: int) -> list[float]:
+    """Read the step losses (device tensors or floats) of the ``len(pending)`` steps before
+    ``end_step`` at once, empty ``pending``, and raise on the first non-finite one."""
+    if not pending:
+        return []
+    values = torch.stack([torch.as_tensor(loss) for loss in pending]).tolist()
+    first = end_step - len(values)
+    pending.clear()
+    for i, value in enumerate(values):
+        if not math.isfinite(value):
+            raise TrainingError(
+                f"non-finite loss ({value}) at epoch {epoch}, step {first + i} (read after "
+                f"steps {first}-{end_step - 1}); the last checkpoint is kept. Lower optim.lr "
+                "or set optim.grad_clip."
+            )
+    return values
 
 
 def evaluate(
@@ -330,7 +351,8 @@ def evaluate(
         sums += torch.tensor(
             [np.abs(error).sum(), (error**2).sum(), ((error / scale) ** 2).sum(), len(error)]
         )
-    if replica.world_size > 1:
+    if replica.world_size > 1:  # on the replica's device: NCCL reduces CUDA tensors only
+        sums = sums.to(getattr(backend, "device", "cpu"))
         dist.all_reduce(sums)
     abs_sum, sq_sum, loss_sum, count = sums.tolist()
     if count == 0:

@@ -122,3 +122,32 @@ def test_ablation_two_replicas_compiled(store: Path, tmp_path: Path) -> None:
     )
     loaded = check_report(report, "ablation", tmp_path, ablation)
     assert len(loaded["results"]) == len(ablation.STEPS)
+
+
+def test_model(store: Path, tmp_path: Path) -> None:
+    from schnet_ipu.bench import model
+
+    loaded = check_report(model.run(True, str(store)), "model", tmp_path, model)
+    names = {r["name"] for r in loaded["results"]}
+    assert {"ours knn", "pyg knn", "pyg radius"} <= names
+    assert all(r["molecules_per_s"] > 0 for r in loaded["results"])
+
+
+def test_gpu_suite_runs_on_cpu(store: Path, tmp_path: Path) -> None:
+    from schnet_ipu.bench import gpu
+
+    tiny = ["model.hidden_channels=8", "model.num_filters=8", "model.num_interactions=1",
+            "model.num_gaussians=6", "loader.workers=0"]  # fmt: skip
+    report = gpu.run_gpu(
+        store, "cpu", subset=150, rounds=1, pyg_batches=(16,), precisions=("bf16",),
+        overrides=tiny,
+    )  # fmt: skip
+    loaded = check_report(report, "gpu", tmp_path, gpu)
+    rows = {r["name"]: r for r in loaded["results"]}
+    assert set(rows) == {"ours bf16 eager", "stock PyG SchNet batch 16"}  # no graphs on a CPU
+    assert loaded["device"]["name"].startswith("cpu") and loaded["device"]["torch"]
+    for row in rows.values():
+        assert row["epoch_seconds"] > 0 and row["molecules_per_s"] > 0
+    assert rows["ours bf16 eager"]["graph_recaptures"] == 0
+    assert rows["ours bf16 eager"]["val_mae"] > 0
+    assert loaded["ratios"]["ratio_vs_pyg"] > 0

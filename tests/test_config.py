@@ -69,11 +69,18 @@ def test_bad_choice_suggests_the_closest():
         ),
         (["packing.max_edges=301", "model.graph=radius"], r"must be even"),
         (["data.water_sizes=[5, 3]"], r"min <= max"),
+        (["backend.device=cpu", "backend.cuda_graphs=true"], r"cuda_graphs=true needs CUDA"),
+        (["backend.precision=fp16"], r"backend\.precision = 'fp16' is not one of"),
     ],
 )
 def test_impossible_combinations_say_what_to_change(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
+
+
+def test_true_and_false_choices_read_from_yaml_booleans():
+    assert load_config(None, ["backend.cuda_graphs=false"]).backend.cuda_graphs == "false"
+    assert load_config(None, ["backend.cuda_graphs=true"]).backend.cuda_graphs == "true"
 
 
 def test_override_syntax_and_sections():

@@ -12,14 +12,14 @@ import torch.nn.functional as F
 from torch_geometric.nn.models import SchNet as PygSchNet
 
 from schnet_ipu.batch import Batch
-from schnet_ipu.config import ModelConfig
-from schnet_ipu.model import SchNet, masked_mse
-from schnet_ipu.model.benchmark import (
+from schnet_ipu.bench.model import (
     load_molecules,
     molecules_to_batch,
     pair_array,
     plan_packs,
 )
+from schnet_ipu.config import ModelConfig
+from schnet_ipu.model import SchNet, masked_mse
 from schnet_ipu.model.ops import naive_shifted_softplus
 from schnet_ipu.model.ops.torch_ops import (
     _ShiftedSoftplusFused,

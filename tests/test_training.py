@@ -66,6 +66,7 @@ def test_run_directory_contract(store, tmp_path):
     step = read_records(run_dir / "metrics.jsonl", "step")[0]
     assert step["replicas"] == 1 and step["collectives_per_step"] == 0
     assert final["unit"] == "eV" and final["test_molecules"] == 60
+    assert final["cuda_graph_captures"] == 0  # backend.cuda_graphs=auto is off on a CPU
     for key in ("test_mae", "test_rmse", "baseline_test_mae", "wall_seconds"):
         assert final[key] > 0
     assert final["test_rmse"] >= final["test_mae"]
@@ -129,6 +130,24 @@ def test_non_finite_loss_stops_and_names_the_step(store, tmp_path):
     with pytest.raises(TrainingError, match=r"non-finite loss .* at epoch 0, step \d+"):
         train(cfg)
     assert not (run_dir / "checkpoints/last.pt").exists()
+
+
+def test_losses_read_every_log_every_calls_equal_the_per_step_losses(store, tmp_path):
+    """Losses stay on the device between reads; reading every 3 calls (and at the epoch end)
+    gives the same step and epoch losses as reading after every call."""
+    runs = {}
+    for every in (1, 3):
+        run_dir = tmp_path / f"every{every}"
+        overrides = tiny(store, run_dir, "optim.epochs=1", f"logging.log_every={every}")
+        train(load_config(None, overrides))
+        runs[every] = read_records(run_dir / "metrics.jsonl")
+    each = {r["call"]: r["loss"] for r in runs[1] if r["kind"] == "step"}
+    sparse = {r["call"]: r["loss"] for r in runs[3] if r["kind"] == "step"}
+    assert sparse and set(sparse) == {call for call in each if call % 3 == 0}
+    assert all(loss == each[call] for call, loss in sparse.items())
+    (epoch_each,) = [r["train_loss"] for r in runs[1] if r["kind"] == "epoch"]
+    (epoch_sparse,) = [r["train_loss"] for r in runs[3] if r["kind"] == "epoch"]
+    assert epoch_sparse == epoch_each
 
 
 def test_data_aware_config_errors(store, tmp_path):

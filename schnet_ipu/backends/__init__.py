@@ -22,6 +22,7 @@ import logging
 import torch
 from torch import nn
 
+from schnet_ipu.backends.cuda_graph import use_cuda_graphs
 from schnet_ipu.backends.distributed import (
     ReplicaInfo,
     init_replica,
@@ -30,7 +31,7 @@ from schnet_ipu.backends.distributed import (
     replicas_in_call,
 )
 from schnet_ipu.backends.torch_backend import LossFn, RecompilationError, TorchBackend
-from schnet_ipu.config import BackendConfig
+from schnet_ipu.config import BackendConfig, ConfigError
 from schnet_ipu.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -113,6 +114,8 @@ def make_backend(
     """
     device = device or select_device(backend_cfg.device)
     if device in ("ipu", "ipu-model"):
+        if backend_cfg.precision != "fp32":
+            raise ConfigError("backend.precision applies to cpu and cuda; use fp32 with PopTorch")
         from schnet_ipu.backends.poptorch_backend import PoptorchBackend
 
         return PoptorchBackend(
@@ -142,4 +145,6 @@ def make_backend(
         compile=backend_cfg.compile,
         grad_clip=grad_clip,
         replica=replica,
+        precision=backend_cfg.precision,
+        cuda_graphs=use_cuda_graphs(backend_cfg.cuda_graphs, device),
     )

@@ -133,7 +133,12 @@ def init_replica(backend_cfg: BackendConfig, device: str, timeout_s: float = 600
         world_size=world_size,
         local_rank=int(os.environ.get("LOCAL_RANK", "0")),
     )
-    if device.startswith("cuda"):
+    if device.startswith("cuda"):  # one GPU per replica of this host: cuda:LOCAL_RANK
+        if replica.local_rank >= torch.cuda.device_count():
+            raise RuntimeError(
+                f"replica {replica.rank} has LOCAL_RANK {replica.local_rank}, but this host has "
+                f"{torch.cuda.device_count()} CUDA device(s); start at most one replica per GPU"
+            )
         torch.cuda.set_device(replica.local_rank)
     if not dist.is_initialized():
         dist.init_process_group(

@@ -5,15 +5,25 @@ D optimiser steps, each accumulating A micro-batches (loss divided by A: a mean)
 mean all-reduce of gradients over replicas, gradient clipping, and the optimiser step.
 Every batch must have the signature of the first one; a change raises
 :class:`RecompilationError` instead of silently recompiling.
+
+On CUDA the whole optimiser step is captured once as a CUDA graph and replayed
+(:mod:`.cuda_graph`). Nothing in a step waits for the device: each step's loss stays a
+device tensor until the caller reads it.
+
+``precision``: ``fp32``; ``tf32`` (CUDA matmuls in TensorFloat-32; the same as fp32 on a CPU);
+``bf16`` (``torch.autocast`` to bfloat16 around the forward pass and loss, fp32 master weights
+and optimiser; the model keeps distances, softplus and sums in fp32).
 """
 
 from __future__ import annotations
 
-from typing import Callable  # LossFn is a runtime alias: typing's form on Python 3.8
+from contextlib import contextmanager
+from typing import Callable, Iterator  # LossFn is a runtime alias: typing's form on Python 3.8
 
 import torch
 from torch import Tensor, nn
 
+from schnet_ipu.backends.cuda_graph import CapturedStep
 from schnet_ipu.backends.distributed import (
     ReplicaInfo,
     broadcast_parameters,
@@ -26,6 +36,7 @@ from schnet_ipu.backends.poptorch_ops import check_poptorch_ops
 from schnet_ipu.batch import Batch
 
 LossFn = Callable[[nn.Module, Batch], Tensor]
+PRECISIONS = ("fp32", "tf32", "bf16")
 
 
 class RecompilationError(RuntimeError):
@@ -87,6 +98,8 @@ class TorchBackend:
         compile_backend: the torch.compile backend ("aot_eager" skips code generation).
         grad_clip: max gradient norm after the replica reduction; 0 disables clipping.
         replica: this process's rank among the replicas (from ``init_replica``).
+        precision: ``fp32``, ``tf32`` or ``bf16`` (see the module docstring).
+        cuda_graphs: capture the optimiser step as a CUDA graph (CUDA devices only).
         check_ops: run the first training forward + loss and the first prediction under
             :func:`~schnet_ipu.backends.poptorch_ops.check_poptorch_ops`, refusing aten ops
             PopTorch 3.4.0 cannot lower (``backend.device=ipu-model`` without PopTorch).
@@ -106,12 +119,19 @@ class TorchBackend:
         compile_backend: str = "inductor",
         grad_clip: float = 0.0,
         replica: ReplicaInfo | None = None,
+        precision: str = "fp32",
+        cuda_graphs: bool = False,
         check_ops: bool = False,
     ) -> None:
         self.replica = replica or ReplicaInfo()
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", self.replica.local_rank)
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        if cuda_graphs and self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, not {self.device}")
+        self.precision = precision
         self.model = model.to(self.device)
         self.optimizer = optimizer
         self.loss_fn = loss_fn
@@ -128,11 +148,20 @@ class TorchBackend:
         self._predict_guard = ShapeGuard("prediction")
         self._collectives = 0
         self._shared_reduction = None
-        self._unchecked = {"train", "predict"} if check_ops else set()
         if self.replica.world_size > 1:
             broadcast_parameters(self.model)
             if merge_allreduce and shared_memory_allreduce and self.device.type == "cpu":
                 self._shared_reduction = shared_memory_reduction(self.replica)
+        self._unchecked = {"train", "predict"} if check_ops else set()
+        self._captured = None
+        if cuda_graphs:
+            self._captured = CapturedStep(self._step, self.model, optimizer, self.device)
+
+    @property
+    def graph_captures(self) -> int:
+        """CUDA graphs captured (1 once training started with graphs, else 0); more than one
+        would be a re-capture, which fixed shapes rule out."""
+        return 0 if self._captured is None else self._captured.captures
 
     @property
     def recompilations(self) -> int:
@@ -147,7 +176,8 @@ class TorchBackend:
     def train_call(self, micro_batches: list[Batch]) -> list[dict]:
         """Run D optimiser steps over exactly D x A micro-batches of this replica.
 
-        Returns one record per step: ``loss`` (mean over its A micro-batches, this replica),
+        Returns one record per step: ``loss`` (mean over its A micro-batches, this replica; a
+        0-d tensor on the device, so reading it is the caller's one synchronisation),
         ``molecules`` (real molecules in them, this replica) and ``collectives``.
         """
         steps, accum = self.device_iterations, self.gradient_accumulation
@@ -159,26 +189,54 @@ class TorchBackend:
         for batch in micro_batches:
             self._train_guard.check(batch)
         self.model.train()
-        losses, molecules = [], []
+        records = []
         for step in range(steps):
             group = micro_batches[step * accum : (step + 1) * accum]
-            self.optimizer.zero_grad(set_to_none=True)
-            step_loss = torch.zeros((), device=self.device)
-            for batch in group:
-                batch = self._to_device(batch)
+            with self._matmul_precision():
+                if self._captured is not None:
+                    loss = self._captured(group).clone()  # the graph overwrites its output
+                else:
+                    loss = self._step([self._to_device(b) for b in group])
+            molecules = sum(b.num_molecules for b in group)  # host batches: no device sync
+            records.append({"loss": loss, "molecules": molecules, "collectives": self._collectives})
+        return records
+
+    def _step(self, group: list[Batch]) -> Tensor:
+        """One optimiser step over A device batches -> their mean loss [] (never read here)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        step_loss = torch.zeros((), device=self.device)
+        for batch in group:
+            with self._autocast():
                 loss = self._run("train", lambda model, batch=batch: self.loss_fn(model, batch))
-                (loss / accum).backward()
-                step_loss += loss.detach()
-            self._collectives = self.reduce_gradients()
-            if self.grad_clip > 0:
-                nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
-            self.optimizer.step()
-            losses.append(step_loss / accum)
-            molecules.append(sum(b.num_molecules for b in group))
-        return [
-            {"loss": float(loss), "molecules": count, "collectives": self._collectives}
-            for loss, count in zip(torch.stack(losses).tolist(), molecules)
-        ]
+            (loss / len(group)).backward()
+            step_loss += loss.detach()
+        self._collectives = self.reduce_gradients()
+        if self.grad_clip > 0:  # foreach, and no check of the norm: nothing waits for it
+            nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip, foreach=True)
+        self.optimizer.step()
+        return step_loss / len(group)
+
+    def _autocast(self) -> torch.autocast:
+        """bf16: autocast the forward pass (no weight-cast cache, which graph capture forbids)."""
+        return torch.autocast(
+            self.device.type,
+            dtype=torch.bfloat16,
+            enabled=self.precision == "bf16",
+            cache_enabled=False if self._captured is not None else None,
+        )
+
+    @contextmanager
+    def _matmul_precision(self) -> Iterator[None]:
+        """tf32 on CUDA: TensorFloat-32 matmuls for this step only (the flag is global)."""
+        if self.precision != "tf32" or self.device.type != "cuda":
+            yield
+            return
+        matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        try:
+            yield
+        finally:
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
 
     @torch.no_grad()
     def predict(self, batch: Batch) -> Tensor:
@@ -186,7 +244,8 @@ class TorchBackend:
         self._predict_guard.check(batch)
         self.model.eval()
         batch = self._to_device(batch)
-        return self._run("predict", lambda model: model(batch)).cpu()
+        with self._matmul_precision(), self._autocast():
+            return self._run("predict", lambda model: model(batch)).cpu()
 
     def _run(self, kind: str, fn: Callable[[nn.Module], Tensor]) -> Tensor:
         """``fn(model)``; the first ``kind`` ("train" / "predict") call runs eagerly under the

@@ -1,7 +1,12 @@
 """``python -m schnet_ipu.bench SUITE [--quick] [--json PATH] [--out-dir DIR] [--store PATH]``.
 
-Suites: throughput, ablation, batching, loader, scaling. Each prints a table and writes
-``SUITE.json``, ``SUITE.md`` and ``SUITE.png`` in ``--out-dir``.
+The gpu suite also takes ``--device`` (default cuda), ``--subset N`` (molecules; 0 = all)
+and ``--set section.key=value`` (config overrides, repeatable).
+
+Suites: throughput, ablation, batching, loader, scaling, model (forward+backward against
+PyG's SchNet), replication (replicas x gradient reduction), gpu (full QM9 epochs against
+stock PyG on a GPU). Each prints a table and writes ``SUITE.json``, ``SUITE.md`` and
+``SUITE.png`` in ``--out-dir``; the report records the command that made it.
 """
 
 from __future__ import annotations
@@ -9,12 +14,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import shlex
 import sys
 
 from schnet_ipu.bench.common import QM9_STORE, write_report
 from schnet_ipu.errors import run_cli
 
-SUITES = ("throughput", "ablation", "batching", "loader", "scaling")
+SUITES = ("throughput", "ablation", "batching", "loader", "scaling", "model", "replication", "gpu")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -24,10 +30,19 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", default=None, help="also write the JSON report here")
     parser.add_argument("--out-dir", default="bench_results", help="reports and plots")
     parser.add_argument("--store", default=QM9_STORE, help="QM9 molecule store")
+    parser.add_argument("--device", default=None, help="gpu suite: cuda (default) or cpu")
+    parser.add_argument("--subset", type=int, default=None, help="gpu suite: molecules used")
+    parser.add_argument("--set", action="append", default=[], help="gpu suite: key=value")
     args = parser.parse_args(argv)
+    gpu_options = {"device": args.device, "subset": args.subset, "overrides": args.set or None}
+    gpu_options = {key: value for key, value in gpu_options.items() if value is not None}
+    if gpu_options and args.suite != "gpu":
+        parser.error("--device, --subset and --set are options of the gpu suite")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     suite = importlib.import_module(f"schnet_ipu.bench.{args.suite}")
-    report = suite.run(args.quick, args.store)
+    report = suite.run(args.quick, args.store, **gpu_options)
+    argv = sys.argv[1:] if argv is None else argv
+    report["command"] = shlex.join(["python", "-m", "schnet_ipu.bench", *argv])
     write_report(report, suite.COLUMNS, suite.PLOT, args.out_dir, args.json)
     return report
 

@@ -3,7 +3,7 @@ reduction (one gloo all-reduce per parameter, one merged gloo all-reduce, the me
 summed through shared memory), with the collectives each optimiser step makes.
 
 Two measurements per row: training through the real pipeline on QM9 (loader shares,
-``train_call``), and :func:`schnet_ipu.backends.benchmark.measure_replication` on
+``train_call``), and :func:`schnet_ipu.bench.replication.measure_replication` on
 synthetic packed batches, which also times the gradient all-reduce on its own.
 """
 
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from schnet_ipu.backends.benchmark import REDUCTIONS, measure_replication
 from schnet_ipu.bench.common import QM9_STORE, Timing, new_report, ratio
 from schnet_ipu.bench.replicas import TrainJob, train_rates
+from schnet_ipu.bench.replication import REDUCTIONS, measure_replication
 from schnet_ipu.config import ModelConfig
 
 COLUMNS = ["name", "replicas", "reduction", "molecules_per_s", "step_ms",
@@ -77,7 +77,7 @@ def run_scaling(
         f"Timing per replica: {timing.warmup} warm-up steps, then {timing.repeats} rounds of "
         f"{timing.steps}-step windows (one per reduction, in turn); medians over the "
         "rounds; molecules/s summed over replicas.",
-        "synthetic_step_ms / allreduce_ms: schnet_ipu.backends.benchmark.measure_replication "
+        "synthetic_step_ms / allreduce_ms: schnet_ipu.bench.replication.measure_replication "
         f"(paper-size SchNet, {synthetic_packs} synthetic packs per replica; the reduction "
         "timed alone, empty for one replica).",
         "scaling_R: R replicas with the default reduction (shared memory) over one replica; "

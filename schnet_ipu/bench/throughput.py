@@ -147,19 +147,31 @@ def _serve_replica(rank: int, conns: list, setup: tuple) -> None:
         shutdown_replica()
 
 
-def pyg(data: PreparedData, size: ModelConfig, batch_size: int = 32) -> Callable[[], int]:
-    """Training step of stock PyG SchNet, out of the box, on the same molecules, targets and
-    loss as ours."""
+def pyg_items(data: PreparedData) -> list:
+    """The training molecules as PyG ``Data`` objects (z, pos, y), held in memory."""
     from torch_geometric.data import Data
-    from torch_geometric.loader import DataLoader
-    from torch_geometric.nn.models import SchNet as PygSchNet
 
     items = []
     for index in data.split["train"].tolist():
         z, pos = data.store.molecule(index)
         y = torch.tensor([data.targets[index]], dtype=torch.float32)
         items.append(Data(z=torch.from_numpy(z.astype(np.int64)), pos=torch.from_numpy(pos), y=y))
-    loader = DataLoader(items, batch_size=batch_size, shuffle=True)
+    return items
+
+
+def pyg(
+    data: PreparedData,
+    size: ModelConfig,
+    batch_size: int = 32,
+    device: str = "cpu",
+    items: list | None = None,
+) -> Callable[[], int]:
+    """Training step of stock PyG SchNet, out of the box, on the same molecules, targets and
+    loss as ours (``items`` from :func:`pyg_items`, built here if not given)."""
+    from torch_geometric.loader import DataLoader
+    from torch_geometric.nn.models import SchNet as PygSchNet
+
+    loader = DataLoader(items or pyg_items(data), batch_size=batch_size, shuffle=True)
     torch.manual_seed(0)
     model = PygSchNet(
         hidden_channels=size.hidden_channels,
@@ -168,7 +180,7 @@ def pyg(data: PreparedData, size: ModelConfig, batch_size: int = 32) -> Callable
         num_gaussians=size.num_gaussians,
         cutoff=size.cutoff,
         interaction_graph=RadiusInteractionGraph(size.cutoff),
-    )
+    ).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     scale = data.residual_std
 
@@ -179,7 +191,7 @@ def pyg(data: PreparedData, size: ModelConfig, batch_size: int = 32) -> Callable
     stream = batches()
 
     def step() -> int:
-        batch = next(stream)
+        batch = next(stream).to(device)
         optimizer.zero_grad(set_to_none=True)
         pred = model(batch.z, batch.pos, batch.batch).view(-1)
         mask = torch.ones_like(batch.y, dtype=torch.bool)

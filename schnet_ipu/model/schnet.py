@@ -34,6 +34,11 @@ Ops = Union[TorchOps, IpuOps]
 NUM_ELEMENTS = 100  # embedding rows, as PyG; row 0 is the padding atom
 
 
+def widen(x: Tensor) -> Tensor:
+    """``x`` in fp32 if autocast made it bf16 or fp16; fp32 and fp64 pass unchanged."""
+    return x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
+
+
 class ShiftedSoftplus(nn.Module):
     """``softplus(x) - log 2``, stable (the flavour's, default) or naive for the ablation."""
 
@@ -43,6 +48,7 @@ class ShiftedSoftplus(nn.Module):
         self.stable = stable
 
     def forward(self, x: Tensor) -> Tensor:
+        x = widen(x)  # fp32 under bf16 autocast
         return self.ops.shifted_softplus(x) if self.stable else naive_shifted_softplus(x)
 
 
@@ -100,7 +106,7 @@ class CFConv(nn.Module):
         flavour's ``scatter_sum``, which assumes no ordering. -> [N, C_out]
         """
         filt = self.filter(rbf, cut)  # [E', F]
-        x = self.lin1(x)
+        x = widen(self.lin1(x))  # messages and their sums in fp32 under bf16 autocast
         if filt.shape[0] < edge_index.shape[1]:  # both directions of a pair share its filter
             return self.lin2(self.ops.pair_symmetric_conv(x, edge_index, filt))
         msg = self.ops.gather(x, edge_index[0]) * filt  # [E, F]
@@ -318,7 +324,7 @@ class SchNet(nn.Module):
         for interaction in self.interactions:
             h = h + interaction(h, edge_index, rbf, cut, knn)
 
-        out = self.lin2(self.act(self.lin1(h))).view(num_nodes)  # [N]
+        out = widen(self.lin2(self.act(self.lin1(h)))).view(num_nodes)  # [N], fp32 readout
         out = out * self.std + self.mean
         if self.atomref is not None:
             out = out + self.atomref(batch.z).view(num_nodes)

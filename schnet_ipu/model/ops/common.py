@@ -25,4 +25,4 @@ def edge_distance(pos: Tensor, edge_index: Tensor, edge_mask: Tensor, cutoff: fl
     """
     diff = pos.index_select(0, edge_index[0]) - pos.index_select(0, edge_index[1])
     sq = diff.square().sum(-1)
-    return torch.where(edge_mask, sq, sq.new_tensor(cutoff * cutoff)).sqrt()
+    return torch.where(edge_mask, sq, cutoff * cutoff).sqrt()  # a scalar: no host copy

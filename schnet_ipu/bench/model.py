@@ -11,7 +11,6 @@ search runs inside the timed forward pass, so the comparison favours PyG.
 
 from __future__ import annotations
 
-import argparse
 import time
 from collections.abc import Sequence
 
@@ -20,6 +19,7 @@ import torch
 from torch import Tensor
 
 from schnet_ipu.batch import Batch
+from schnet_ipu.bench.common import new_report
 from schnet_ipu.data.graphs import molecule_pairs
 from schnet_ipu.loader import Layout, PackMolecule, collate
 from schnet_ipu.model.schnet import SchNet
@@ -215,45 +215,33 @@ PYG_NOTE = (
 )
 
 
-def main(argv: Sequence[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--molecules", type=int, default=512)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--store", default="data/qm9.h5")
-    parser.add_argument("--max-nodes", type=int, default=64)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=0, help="torch threads; 0 = default")
-    args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    report = run_benchmark(args.molecules, args.repeats, args.store, args.max_nodes, seed=args.seed)
+COLUMNS = ["name", "ms_per_batch", "ms_min", "molecules_per_s", "speedup_vs_pyg",
+           "speedup_vs_pyg_min"]  # fmt: skip
+PLOT = ("name", "molecules_per_s", "forward+backward molecules/s")
+
+
+def run(quick: bool, store: str) -> dict:
+    """The bench suite: 512 molecules and 5 rounds (``quick``: 128 and 3)."""
+    molecules, repeats = (128, 3) if quick else (512, 5)
+    report = run_benchmark(molecules, repeats, store)
+    rows = [
+        {
+            "name": name,
+            **r,
+            "speedup_vs_pyg": report["speedup_vs_pyg"].get(name),
+            "speedup_vs_pyg_min": report["speedup_vs_pyg_min"].get(name),
+        }
+        for name, r in report["results"].items()
+    ]
     edges, packs = report["edges"], report["packs"]
-    print(
+    notes = [
         f"{report['molecules']} QM9 molecules ({report['atoms']} atoms), "
-        f"{report['threads']} threads, forward+backward, median of {args.repeats}"
-    )
-    print(
+        f"{report['threads']} threads, forward+backward, median of {repeats} rounds.",
         f"knn k=24: {packs['knn_packs']} packs of {packs['max_nodes']} atoms, "
-        f"{edges['knn']['ours']} edge slots (ours), {edges['knn']['real']} real edges (PyG)"
-    )
-    print(
+        f"{edges['knn']['ours']} edge slots (ours), {edges['knn']['real']} real edges (PyG).",
         f"radius 6 A: {packs['radius_packs']} packs of {packs['radius_max_nodes']} atoms and "
-        f"{packs['radius_max_edges']} edges, {edges['radius']['ours']} edge slots "
-        f"(ours), {edges['radius']['real']} real edges (PyG)"
-    )
-    header = f"{'variant':<32}{'ms/batch':>10}{'min ms':>9}{'molecules/s':>13}"
-    print(header + f"{'vs PyG':>8}{'(min)':>8}")
-    for name, r in report["results"].items():
-        ratio = report["speedup_vs_pyg"].get(name)
-        ratio_min = report["speedup_vs_pyg_min"].get(name)
-        shown = f"{ratio:>7.2f}x{ratio_min:>7.2f}x" if ratio else ""
-        row = (
-            f"{name:<32}{r['ms_per_batch']:>10.0f}{r['ms_min']:>9.0f}{r['molecules_per_s']:>13.0f}"
-        )
-        print(row + shown)
-    print(report["note"])
-    return report
-
-
-if __name__ == "__main__":
-    main()
+        f"{packs['radius_max_edges']} edges, {edges['radius']['ours']} edge slots (ours), "
+        f"{edges['radius']['real']} real edges (PyG).",
+        report["note"],
+    ]
+    return new_report("model", rows, report["speedup_vs_pyg"], notes)

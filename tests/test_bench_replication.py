@@ -1,10 +1,11 @@
-"""schnet_ipu.backends.benchmark: synthetic packed batches and the replication table."""
+"""schnet_ipu.bench.replication: synthetic packed batches and the replication table."""
 
 from __future__ import annotations
 
 import pytest
 
-from schnet_ipu.backends.benchmark import format_table, measure_replication, synthetic_batch
+from schnet_ipu.bench.common import format_table
+from schnet_ipu.bench.replication import COLUMNS, measure_replication, synthetic_batch
 
 
 def test_synthetic_batch_fills_the_packs() -> None:
@@ -22,7 +23,7 @@ def test_one_replica_row_in_process() -> None:
     row = rows[0]
     assert (row["replicas"], row["reduction"], row["collectives_per_step"]) == (1, "none", 0)
     assert row["step_ms_median"] > 0 and row["grad_values"] > 100_000  # paper-size SchNet
-    assert "collectives/step" in format_table(rows)
+    assert "collectives_per_step" in format_table(rows, COLUMNS)[0]
 
 
 def test_unknown_reduction_is_an_error() -> None:

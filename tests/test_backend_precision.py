@@ -1,0 +1,135 @@
+"""The CUDA path's CPU-testable parts: backend.precision (fp32, tf32, bf16) trains SchNet on
+the CPU, bf16 keeps distances, softplus and sums in fp32, and backend.cuda_graphs is off (or
+a clear error) without CUDA. The captured step itself needs a GPU (see bench gpu)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_backend import make_batch
+from torch import Tensor, nn
+
+from schnet_ipu.backends import TorchBackend, make_backend
+from schnet_ipu.batch import Batch
+from schnet_ipu.config import BackendConfig, ConfigError
+from schnet_ipu.model import SchNet, masked_mse
+from schnet_ipu.model.schnet import GaussianSmearing, ShiftedSoftplus
+
+BATCHES = [make_batch(seed, packs=3) for seed in range(3)]
+
+
+def schnet(seed: int = 0) -> SchNet:
+    torch.manual_seed(seed)
+    return SchNet(16, 16, 2, 8, cutoff=5.0, graph="knn", k=4, max_nodes_per_pack=10)
+
+
+def schnet_loss(model: nn.Module, batch: Batch) -> Tensor:
+    return masked_mse(model(batch), batch.y, batch.graph_mask, 1.0)
+
+
+def train(precision: str, epochs: int = 10) -> tuple[SchNet, list[float]]:
+    """Adam on the three batches, ``epochs`` times; the loss of every step."""
+    model = schnet()
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    backend = TorchBackend(model, optimizer, schnet_loss, grad_clip=10.0, precision=precision)
+    losses = []
+    for _ in range(epochs):
+        for batch in BATCHES:
+            (record,) = backend.train_call([batch])
+            assert isinstance(record["loss"], Tensor)  # not read by the backend
+            losses.append(float(record["loss"]))
+    return model, losses
+
+
+@pytest.fixture(scope="module")
+def fp32_run() -> tuple[SchNet, list[float]]:
+    return train("fp32")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
+def test_each_precision_trains_on_cpu(precision: str, fp32_run) -> None:
+    model, losses = fp32_run if precision == "fp32" else train(precision)
+    first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
+    assert last < 0.5 * first, f"{precision}: loss {first:.4f} -> {last:.4f}"
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # fp32 master weights
+    reference = fp32_run[1]
+    if precision == "tf32":  # a CUDA flag: on a CPU exactly fp32
+        assert losses == reference
+    if precision == "bf16":  # really autocast, yet the first step agrees closely
+        assert losses[0] != reference[0]
+        assert losses[0] == pytest.approx(reference[0], rel=2e-2)
+
+
+def test_bf16_keeps_distances_softplus_and_sums_in_fp32() -> None:
+    model = schnet()
+    seen: dict[str, set[torch.dtype]] = {}
+
+    def record(name: str):
+        def hook(module, args, output) -> None:
+            seen.setdefault(name, set()).add(output.dtype)
+
+        return hook
+
+    for module in model.modules():
+        if isinstance(module, (GaussianSmearing, ShiftedSoftplus, nn.Linear)):
+            module.register_forward_hook(record(type(module).__name__))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        prediction = model(BATCHES[0])
+        loss = schnet_loss(model, BATCHES[0])
+    assert seen["Linear"] == {torch.bfloat16}  # autocast is on
+    assert seen["GaussianSmearing"] == {torch.float32}
+    assert seen["ShiftedSoftplus"] == {torch.float32}
+    assert prediction.dtype == loss.dtype == torch.float32  # fp32 readout and loss
+    loss.backward()
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters() if p.grad is not None)
+
+
+def test_cuda_graphs_auto_is_off_on_cpu() -> None:
+    model = schnet()
+    cfg = BackendConfig(device="cpu", cuda_graphs="auto", precision="bf16")
+    backend = make_backend(cfg, model, torch.optim.Adam(model.parameters()), schnet_loss)
+    backend.train_call([BATCHES[0]])
+    assert backend.graph_captures == 0 and backend.precision == "bf16"
+
+
+def test_cuda_graphs_true_without_cuda_is_a_config_error() -> None:
+    model = schnet()
+    optimizer = torch.optim.Adam(model.parameters())
+    with pytest.raises(ConfigError, match=r"cuda_graphs=true needs a CUDA device"):
+        make_backend(BackendConfig(cuda_graphs="true"), model, optimizer, schnet_loss, device="cpu")
+    with pytest.raises(ValueError, match=r"CUDA graphs need a CUDA device"):
+        TorchBackend(model, optimizer, schnet_loss, cuda_graphs=True)
+    with pytest.raises(ValueError, match=r"precision must be one of"):
+        TorchBackend(model, optimizer, schnet_loss, precision="fp16")
+
+
+@pytest.mark.parametrize("resumed", [False, True])
+def test_capture_warm_up_is_undone_before_the_first_real_step(resumed: bool) -> None:
+    """The steps run before capture leave no trace: weights and Adam state (fresh or
+    resumed) come back, so the first replayed step is the eager first step. (On a CPU the
+    restore runs without the graph, which needs CUDA.)"""
+    from schnet_ipu.backends.cuda_graph import CapturedStep
+
+    def setup() -> tuple[SchNet, torch.optim.Optimizer, TorchBackend]:
+        model = schnet()
+        optimizer = torch.optim.Adam(model.parameters(), lr=3e-3, fused=True)
+        backend = TorchBackend(model, optimizer, schnet_loss, grad_clip=10.0)
+        if resumed:
+            backend.train_call([BATCHES[2]])
+        return model, optimizer, backend
+
+    model, optimizer, backend = setup()
+    captured = CapturedStep(backend._step, model, optimizer, torch.device("cpu"))
+    saved = captured._snapshot()
+    for batch in BATCHES:  # the warm-up steps
+        backend._step([batch])
+    captured._restore(saved)
+    backend._step([BATCHES[0]])
+
+    reference, reference_optimizer, reference_backend = setup()
+    reference_backend._step([BATCHES[0]])
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for got, want in zip(optimizer.state.values(), reference_optimizer.state.values(), strict=True):
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], rtol=0, atol=0)

@@ -1,0 +1,70 @@
+"""The CUDA path on a real GPU: skipped where torch sees no CUDA device (CI, the dev VM).
+
+pytest -q tests/test_cuda.py   # on a GPU machine
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_backend import make_batch
+from test_backend_precision import schnet, schnet_loss
+
+from schnet_ipu.backends import TorchBackend
+from schnet_ipu.config import load_config
+from schnet_ipu.data import import_qm9
+from schnet_ipu.training import train
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+BATCHES = [make_batch(seed, packs=3) for seed in range(8)]
+
+
+def run(graphs: bool, precision: str = "fp32", calls: int = 6) -> tuple[TorchBackend, list]:
+    """``calls`` host calls of 2 steps x 2 micro-batches, a per-step LambdaLR schedule."""
+    model = schnet()
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3, fused=True)
+    backend = TorchBackend(
+        model, optimizer, schnet_loss, device="cuda", device_iterations=2,
+        gradient_accumulation=2, grad_clip=1.0, precision=precision, cuda_graphs=graphs,
+    )  # fmt: skip
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    losses = []
+    for call in range(calls):
+        start = 4 * call % len(BATCHES)
+        for record in backend.train_call(BATCHES[start : start + 4]):
+            scheduler.step()
+            losses.append(record["loss"])
+    return backend, torch.stack(losses).tolist()
+
+
+def test_captured_step_matches_eager_steps() -> None:
+    graphed, graphed_losses = run(graphs=True)
+    eager, eager_losses = run(graphs=False)
+    assert graphed.graph_captures == 1 and eager.graph_captures == 0
+    assert graphed_losses == pytest.approx(eager_losses, rel=1e-4)
+    for got, want in zip(graphed.model.parameters(), eager.model.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert float(graphed.optimizer.param_groups[0]["lr"]) == pytest.approx(3e-3 / 13)
+
+
+@pytest.mark.parametrize("precision", ["tf32", "bf16"])
+def test_each_precision_trains_with_a_graph(precision: str) -> None:
+    backend, losses = run(graphs=True, precision=precision, calls=12)
+    assert backend.graph_captures == 1
+    assert sum(losses[-4:]) < 0.7 * sum(losses[:4])
+
+
+def test_training_run_captures_once(tmp_path: Path) -> None:
+    store = import_qm9(tmp_path / "qm9.h5", limit=300, progress=False)
+    overrides = [
+        f"data.path={store}", "data.val=40", "data.test=40", "model.hidden_channels=16",
+        "model.num_filters=16", "model.num_interactions=1", "optim.epochs=2",
+        "loader.workers=0", "logging.progress=false", "logging.log_every=3",
+        f"logging.run_dir={tmp_path / 'run'}", "backend.device=cuda",
+    ]  # fmt: skip
+    final = train(load_config(None, overrides))
+    assert final["cuda_graph_captures"] == 1 and final["recompilations"] == 0
+    assert final["test_mae"] > 0
