@@ -236,15 +236,17 @@ def invalid_records(
 
     for m in np.flatnonzero(np.diff(offsets) == 0).tolist():
         reasons[m] = "has no atoms"
-    note(
-        np.flatnonzero((z < 1) | (z >= NUM_ELEMENTS)),
-        lambda atom: _unknown_element(labels[atom]),
-    )
-    note(
-        np.flatnonzero(~np.isfinite(pos).all(axis=1)),
-        lambda atom: "has non-finite (NaN/inf) coordinates",
-    )
-    if forces is not None:
+    if len(z) and (z.min() < 1 or z.max() >= NUM_ELEMENTS):  # one pass when all is well
+        note(
+            np.flatnonzero((z < 1) | (z >= NUM_ELEMENTS)),
+            lambda atom: _unknown_element(labels[atom]),
+        )
+    if not np.isfinite(pos.sum(dtype=np.float64)):  # NaN or inf anywhere: a non-finite sum
+        note(
+            np.flatnonzero(~np.isfinite(pos).all(axis=1)),
+            lambda atom: "has non-finite (NaN/inf) coordinates",
+        )
+    if forces is not None and not np.isfinite(forces.sum(dtype=np.float64)):
         note(
             np.flatnonzero(~np.isfinite(forces).all(axis=1)),
             lambda atom: "has non-finite (NaN/inf) forces",
