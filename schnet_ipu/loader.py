@@ -32,19 +32,10 @@ from schnet_ipu.batch import Batch
 from schnet_ipu.data import MoleculeStore
 from schnet_ipu.data.graphs import molecule_pairs
 from schnet_ipu.data.pairs import RadiusPairs
-from schnet_ipu.feed import (
-    PADDING_ORIGIN,
-    PADDING_SPACING,
-    Assembled,
-    FeedArrays,
-    LoaderError,
-    assemble,
-)
+from schnet_ipu.feed import Assembled, FeedArrays, LoaderError, assemble
 from schnet_ipu.packing import PackPlan, assign_packs_flat
 
 __all__ = [
-    "PADDING_ORIGIN",
-    "PADDING_SPACING",
     "Layout",
     "LoaderError",
     "PackMolecule",
