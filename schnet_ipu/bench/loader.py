@@ -15,6 +15,7 @@ from __future__ import annotations
 import gc
 import resource
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -124,11 +125,17 @@ def pyg(data: PreparedData, cutoff: float, batch_size: int, limit: int) -> dict:
     }
 
 
+def progress(row: dict) -> None:
+    """One finished mode on stderr, so a long run shows where it is."""
+    cold, warm = row["cold_molecules_per_s"], row["warm_molecules_per_s"]
+    print(f"{row['name']}: cold {cold:.0f}, warm {warm:.0f} molecules/s", file=sys.stderr)
+
+
 def run_loader(
     store: str | Path = QM9_STORE,
     overrides: tuple[str, ...] = (),
     workers: tuple[int, ...] = (0, 1, 2),
-    pyg_molecules: int = 20000,
+    pyg_molecules: int = 10000,
 ) -> dict:
     """Every mode on ``configs/qm9.yaml`` (plus ``overrides``) over ``store``, side by side."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -138,10 +145,14 @@ def run_loader(
         cfg = load_config(CONFIG, [f"data.path={copy}", "backend.device=cpu", *overrides])
         data = prepare_data(cfg)
         pairs_s = data.timings.get("edge_counts", 0.0)
-        rows = [ours(cfg, data, f"ours {w} workers", w, "cpu", pairs_s) for w in workers]
-        rows.append(ours(cfg, data, "ours device-resident", 0, device, pairs_s))
+        modes = [(f"ours {w} workers", w, "cpu") for w in workers]
+        rows = []
+        for name, count, where in [*modes, ("ours device-resident", 0, device)]:
+            rows.append(ours(cfg, data, name, count, where, pairs_s))
+            progress(rows[-1])
         per_batch = rows[0]["molecules"] / (len(make_loader(cfg, data, "train")) or 1)
         reference = pyg(data, cfg.model.cutoff, max(1, round(per_batch)), pyg_molecules)
+        progress(reference)
     for row in rows:
         row["vs_pyg_cold"] = ratio(row["cold_molecules_per_s"], reference["cold_molecules_per_s"])
         row["vs_pyg_warm"] = ratio(row["warm_molecules_per_s"], reference["warm_molecules_per_s"])
