@@ -65,8 +65,9 @@ class PackingConfig:
 
 @dataclass
 class LoaderConfig:
-    workers: int = 2  # worker processes; 0 = synchronous, in the main process
-    prefetch: int = 4  # batches buffered ahead per worker
+    workers: int = 1  # threads assembling batch chunks ahead; 0 = in the training thread
+    prefetch: int = 4  # chunks assembled ahead (threads), batches copied ahead (CUDA)
+    device_resident: str = "auto"  # auto | true | false: assemble batches on the device
     cache: bool = True  # keep materialised molecules in memory after first read
 
 
@@ -150,6 +151,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.graph": ("knn", "radius"),
     "model.readout": ("sum", "mean"),
     "model.ops": ("torch", "ipu"),
+    "loader.device_resident": ("auto", "true", "false"),
     "optim.schedule": ("plateau", "cosine", "constant"),
     "backend.device": ("auto", "cpu", "cuda", "ipu", "ipu-model"),
     "backend.dist_backend": ("auto", "gloo", "nccl"),

@@ -1,41 +1,50 @@
-"""Packs -> fixed-shape batches, loaded asynchronously by worker processes.
+"""Packs -> fixed-shape batches, assembled many at a time by array programs.
 
-One epoch is a list of packs (from :func:`schnet_ipu.packing.assign_packs`, re-drawn per
-epoch), cut into micro-batches of B packs. A host call takes ``device_iterations x
+One epoch is a list of packs (from :func:`schnet_ipu.packing.assign_packs_flat`, re-drawn
+per epoch), cut into micro-batches of B packs. A host call takes ``device_iterations x
 gradient_accumulation`` micro-batches per replica, and replica r of R reads its own
 share: global micro-batch ``(call * R + r) * calls_micro + j``. The epoch is padded at
 its tail with empty packs so every replica gets the same number of host calls; those
 packs are all padding and contribute nothing.
 
-Workers are torch DataLoader workers. Each opens the HDF5 store lazily and keeps its own
-molecule cache; the sampler hands out ``(epoch, index)`` keys, so a batch depends only on
-the seed, the epoch and its index, never on which worker built it.
+Batches are built a chunk (hundreds of batches) at a time by :func:`schnet_ipu.feed.assemble`
+from the split's flat arrays (:class:`~schnet_ipu.feed.FeedArrays`), on the CPU or, when
+the data is device-resident, on the training device; a batch is a row of the chunk. With
+``workers > 0`` background threads assemble the next chunks while the step runs (the
+gathers release the GIL, and nothing is pickled). A batch depends only on the seed, the
+epoch and its index, never on the mode, the chunking or the thread that built it.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset, Sampler
 
 from schnet_ipu.batch import Batch
 from schnet_ipu.data import MoleculeStore
-from schnet_ipu.data.graphs import within_cutoff
-from schnet_ipu.errors import UserError
-from schnet_ipu.packing import PackPlan, assign_packs
+from schnet_ipu.data.graphs import molecule_pairs
+from schnet_ipu.data.pairs import RadiusPairs
+from schnet_ipu.feed import Assembled, FeedArrays, LoaderError, assemble
+from schnet_ipu.packing import PackPlan, assign_packs_flat
 
-PADDING_SPACING = 100.0  # Angstrom between padding atoms; far beyond any cutoff
-PADDING_ORIGIN = 1000.0  # Angstrom; padding atoms sit on a line starting here
+__all__ = [
+    "Layout",
+    "LoaderError",
+    "PackMolecule",
+    "PackedDataset",
+    "PackedLoader",
+    "collate",
+]
 
-
-class LoaderError(UserError, RuntimeError):
-    """A batch could not be built or changed shape mid-run."""
+CHUNK_BYTES = 32 << 20  # output bytes assembled at once (a few hundred QM9 batches)
 
 
 @dataclass(frozen=True)
@@ -43,8 +52,8 @@ class Layout:
     """How micro-batches are shaped and shared out.
 
     Shapes of every batch: N = packs_per_batch * max_nodes atoms, G = packs_per_batch *
-    max_graphs slots, E = packs_per_batch * max_edges edges (radius graphs only, whose
-    pairs within ``cutoff`` the collate finds).
+    max_graphs slots, E = packs_per_batch * max_edges edges (radius graphs only: the
+    pairs within ``cutoff``).
     """
 
     packs_per_batch: int
@@ -74,12 +83,19 @@ class Layout:
             **share,
         )
 
+    def batch_bytes(self, forces: bool = False) -> int:
+        """Bytes of one assembled batch (N, G, E as above)."""
+        n = self.packs_per_batch * self.max_nodes
+        g = self.packs_per_batch * self.max_graphs
+        e = self.packs_per_batch * (self.max_edges or 0)
+        return n * (8 + 12 + 8 + 1 + (12 if forces else 0)) + g * (4 + 1 + 8) + e * (16 + 1)
 
-class PackedDataset(Dataset):
-    """Map-style dataset: key ``(epoch, i)`` -> this replica's i-th micro-batch of that epoch.
+
+class PackedDataset:
+    """This replica's micro-batches of every epoch, from one split's packs.
 
     Args:
-        store: the molecule store (pickled into workers without its file handle).
+        store: the molecule store.
         indices: int64 [M] store indices of the molecules of this split.
         targets: float64 [len(store)] regression target of every store molecule.
         plan: the packing plan for this split (from the node/edge counts of ``indices``).
@@ -87,6 +103,8 @@ class PackedDataset(Dataset):
         seed: the run seed; packs are re-drawn from (seed, epoch).
         edge_counts: int64 [M] directed edges per molecule of ``indices`` (radius graphs).
         shuffle: re-draw pack contents per epoch (False: the same packs every epoch).
+        arrays: the store's feed arrays with ``targets`` (built from the store when None);
+            batches are assembled on their device.
     """
 
     def __init__(
@@ -99,18 +117,19 @@ class PackedDataset(Dataset):
         seed: int,
         edge_counts: np.ndarray | None = None,
         shuffle: bool = True,
+        arrays: FeedArrays | None = None,
     ) -> None:
         self.store = store
         self.indices = np.asarray(indices, dtype=np.int64)
         self.node_counts = store.num_atoms[self.indices]
         self.edge_counts = edge_counts
-        self.targets = targets
         self.plan = plan
         self.layout = layout
         self.seed = seed
         self.shuffle = shuffle
+        self.arrays = arrays or FeedArrays.from_store(store, targets, layout.cutoff)
         self._packs_epoch: int | None = None
-        self._packs: list[np.ndarray] = []
+        self._packs: tuple[Tensor, Tensor, Tensor] | None = None
 
     # --- sizes -----------------------------------------------------------------------------
 
@@ -127,12 +146,18 @@ class PackedDataset(Dataset):
 
     # --- items -----------------------------------------------------------------------------
 
-    def packs(self, epoch: int) -> list[np.ndarray]:
-        """Store indices of the molecules of every pack of the epoch (cached per epoch)."""
+    def packs(self, epoch: int) -> tuple[Tensor, Tensor, Tensor]:
+        """The epoch's packs, flat on the arrays' device (cached per epoch): store indices
+        int64 [M] in pack order, and each pack's first position and length, int64 [P]."""
         if self._packs_epoch != epoch:
             draw = epoch if self.shuffle else 0
-            local = assign_packs(self.plan, self.node_counts, self.edge_counts, self.seed, draw)
-            self._packs = [self.indices[p] for p in local]
+            local, lengths = assign_packs_flat(
+                self.plan, self.node_counts, self.edge_counts, self.seed, draw
+            )
+            device = self.arrays.device
+            lengths = torch.from_numpy(lengths).to(device)
+            starts = lengths.cumsum(0) - lengths
+            self._packs = (torch.from_numpy(self.indices[local]).to(device), starts, lengths)
             self._packs_epoch = epoch
         return self._packs
 
@@ -141,31 +166,59 @@ class PackedDataset(Dataset):
         call, j = divmod(i, lay.micro_per_call)
         return (call * lay.replicas + lay.replica) * lay.micro_per_call + j
 
+    def assemble(self, epoch: int, first: int, stop: int, pin: bool = False) -> Assembled:
+        """This replica's micro-batches [first, stop) of ``epoch``, stacked."""
+        lay = self.layout
+        molecules, starts, lengths = self.packs(epoch)
+        device = molecules.device
+        i = torch.arange(first, stop, device=device)
+        call, j = i // lay.micro_per_call, i % lay.micro_per_call
+        micro = (call * lay.replicas + lay.replica) * lay.micro_per_call + j
+        pack = (
+            micro.unsqueeze(1) * lay.packs_per_batch
+            + torch.arange(lay.packs_per_batch, device=device)
+        ).view(-1)
+        real = pack < len(lengths)  # packs past the epoch's end stay empty
+        pack = pack.clamp(max=len(lengths) - 1)
+        pack_lengths = torch.where(real, lengths[pack], 0)
+        return assemble(
+            self.arrays, lay, molecules[_ranges(starts[pack], pack_lengths)], pack_lengths, pin
+        )
+
     def __getitem__(self, key: tuple[int, int]) -> Batch:
         epoch, i = key
-        packs = self.packs(epoch)
-        first = self.global_micro_batch(i) * self.layout.packs_per_batch
-        chosen = packs[first : first + self.layout.packs_per_batch]
-        return self.collate(chosen)
+        return unstack(self.assemble(epoch, i, i + 1))[0]
 
     def collate(self, packs: list[np.ndarray]) -> Batch:
         """B packs of store indices (fewer at the epoch's tail) -> one fixed-shape Batch."""
-        molecules = []
-        for pack in packs:
-            members = []
-            for index in pack.tolist():
-                z, pos = self._read(index)
-                members.append(PackMolecule(z, pos, float(self.targets[index]), index))
-            molecules.append(members)
-        return collate(molecules, self.layout)
+        if len(packs) > self.layout.packs_per_batch:
+            raise LoaderError(f"{len(packs)} packs for a batch of {self.layout.packs_per_batch}")
+        device = self.arrays.device
+        lengths = torch.zeros(self.layout.packs_per_batch, dtype=torch.int64)
+        lengths[: len(packs)] = torch.tensor([len(p) for p in packs], dtype=torch.int64)
+        molecules = torch.from_numpy(
+            np.concatenate([np.zeros(0, np.int64), *packs]).astype(np.int64)
+        )
+        return unstack(
+            assemble(self.arrays, self.layout, molecules.to(device), lengths.to(device))
+        )[0]
 
-    def _read(self, index: int) -> tuple[np.ndarray, np.ndarray]:
-        try:
-            return self.store.molecule(index)
-        except Exception as err:
-            raise LoaderError(
-                f"cannot read molecule {index} from {self.store.path}: {err}"
-            ) from err
+
+def _ranges(starts: Tensor, lengths: Tensor) -> Tensor:
+    """Concatenated ``arange(s, s + l)`` for every (s, l) of ``starts``/``lengths`` [S]."""
+    total = int(lengths.sum())
+    segment = torch.repeat_interleave(
+        torch.arange(len(lengths), device=lengths.device), lengths, output_size=total
+    )
+    offset = starts - (lengths.cumsum(0) - lengths)
+    return torch.arange(total, device=lengths.device) + offset[segment]
+
+
+def unstack(assembled: Assembled) -> list[Batch]:
+    """Stacked batches -> one Batch per row (views, no copies)."""
+    names = [name for name, value in vars(assembled).items() if value is not None]
+    rows = zip(*(getattr(assembled, name).unbind(0) for name in names))
+    return [Batch(**dict(zip(names, row))) for row in rows]
 
 
 class PackMolecule(NamedTuple):
@@ -175,133 +228,74 @@ class PackMolecule(NamedTuple):
     pos: np.ndarray  # [n, 3] float32 positions in Angstrom
     y: float  # target
     index: int  # index in the store (-1 allowed for molecules from elsewhere)
+    forces: np.ndarray | None = None  # [n, 3] float32 target forces, optional
 
 
 def collate(packs: Sequence[Sequence[PackMolecule]], layout: Layout) -> Batch:
     """Packs of molecules -> one Batch with the shapes of ``layout`` (see schnet_ipu.batch).
 
-    Fewer packs than ``layout.packs_per_batch`` leave the rest empty (all padding). Raises
-    LoaderError when a pack holds more atoms, molecules or edges than the layout allows.
+    For molecules outside a store (new structures, tests, benchmarks); the same array program
+    as the loader builds it. Fewer packs than ``layout.packs_per_batch`` leave the rest empty
+    (all padding). Raises LoaderError when a pack holds more atoms, molecules or edges than the
+    layout allows. Forces are collated when every molecule has them.
     """
-    lay = layout
-    n_total = lay.packs_per_batch * lay.max_nodes
-    g_total = lay.packs_per_batch * lay.max_graphs
-    z = np.zeros(n_total, dtype=np.int64)
-    pos = np.zeros((n_total, 3), dtype=np.float32)
-    graph = np.full(n_total, g_total, dtype=np.int64)
-    y = np.zeros(g_total, dtype=np.float32)
-    molecule_index = np.full(g_total, -1, dtype=np.int64)
-    graph_mask = np.zeros(g_total, dtype=bool)
-    if len(packs) > lay.packs_per_batch:
-        raise LoaderError(f"{len(packs)} packs for a batch of {lay.packs_per_batch}")
-    for p, pack in enumerate(packs):
-        node = p * lay.max_nodes
-        if len(pack) > lay.max_graphs:
-            raise LoaderError(f"pack {p} holds {len(pack)} molecules > {lay.max_graphs}")
-        for slot, molecule in enumerate(pack):
-            n = len(molecule.z)
-            if node + n > (p + 1) * lay.max_nodes:
-                raise LoaderError(f"pack {p} overflows {lay.max_nodes} atoms")
-            g = p * lay.max_graphs + slot
-            z[node : node + n] = molecule.z
-            pos[node : node + n] = molecule.pos
-            graph[node : node + n] = g
-            y[g] = molecule.y
-            molecule_index[g] = molecule.index
-            graph_mask[g] = True
-            node += n
-
-    node_mask = graph < g_total
-    padding = np.flatnonzero(~node_mask)
-    pos[padding, 0] = PADDING_ORIGIN + PADDING_SPACING * np.arange(len(padding))
-    batch = Batch(
-        z=torch.from_numpy(z),
-        pos=torch.from_numpy(pos),
-        graph=torch.from_numpy(graph),
-        node_mask=torch.from_numpy(node_mask),
-        y=torch.from_numpy(y),
-        graph_mask=torch.from_numpy(graph_mask),
-        molecule_index=torch.from_numpy(molecule_index),
+    if len(packs) > layout.packs_per_batch:
+        raise LoaderError(f"{len(packs)} packs for a batch of {layout.packs_per_batch}")
+    molecules = [m for pack in packs for m in pack]
+    sizes = np.array([len(m.z) for m in molecules], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(sizes)])
+    z = np.concatenate([np.zeros(0, np.uint8), *(np.asarray(m.z) for m in molecules)])
+    pos = np.concatenate(
+        [np.zeros((0, 3), np.float32), *(np.asarray(m.pos, np.float32) for m in molecules)]
     )
-    if lay.max_edges is not None:
-        filler = int(padding[0]) if len(padding) else 0
-        batch.edge_index, batch.edge_mask = radius_pair_edges(batch, lay, filler)
-    return batch
-
-
-def radius_pair_edges(batch: Batch, layout: Layout, filler: int) -> tuple[Tensor, Tensor]:
-    """The radius graph of a collated batch, searched pack by pack in one vectorised pass.
-
-    Pairs i < j of the same molecule within ``layout.cutoff`` come from each pack's [M, M]
-    distance block, with the arithmetic of :func:`~schnet_ipu.data.graphs.edge_counts` (so
-    they match the counts the packer planned with), in row-major order: pack, then i, then j.
-    Returns edge_index int64 [2, E] (forward pairs padded to E / 2 with ``(filler, filler)``,
-    then the same pairs reversed) and edge_mask bool [E]. Raises LoaderError when a pack holds
-    more than ``layout.max_edges`` directed edges.
-    """
-    packs, size = layout.packs_per_batch, layout.max_nodes
-    graph = batch.graph.view(packs, size)
-    real = batch.node_mask.view(packs, size)
-    keep = within_cutoff(batch.pos.view(packs, size, 3), layout.cutoff).triu_(1)
-    keep &= graph.unsqueeze(2) == graph.unsqueeze(1)  # same molecule, hence j real if i is
-    keep &= real.unsqueeze(2)
-    pack, i, j = keep.nonzero(as_tuple=True)
-    per_pack = 2 * torch.bincount(pack, minlength=packs)
-    if (per_pack > layout.max_edges).any():
-        p = int(per_pack.argmax())
-        raise LoaderError(f"pack {p} holds {int(per_pack[p])} edges > {layout.max_edges}")
-    half = packs * layout.max_edges // 2
-    forward = torch.full((2, half), filler, dtype=torch.int64)
-    forward[0, : len(i)] = pack * size + i
-    forward[1, : len(i)] = pack * size + j
-    mask = torch.zeros(half, dtype=torch.bool)
-    mask[: len(i)] = True
-    return torch.cat([forward, forward.flip(0)], dim=1), torch.cat([mask, mask])
-
-
-class EpochSampler(Sampler):
-    """Yields ``(epoch, i)`` keys for i in [start, length); the loader sets both."""
-
-    def __init__(self, length: int) -> None:
-        self.length = length
-        self.epoch = 0
-        self.start = 0
-
-    def __iter__(self) -> Iterator[tuple[int, int]]:
-        return ((self.epoch, i) for i in range(self.start, self.length))
-
-    def __len__(self) -> int:
-        return self.length - self.start
-
-
-def _keep(batch: Batch) -> Batch:
-    return batch
+    with_forces = bool(molecules) and all(m.forces is not None for m in molecules)
+    forces = (
+        np.concatenate([np.asarray(m.forces, np.float32) for m in molecules])
+        if with_forces
+        else None
+    )
+    pairs = None
+    if layout.cutoff is not None:
+        found = [molecule_pairs(m.pos, layout.cutoff) for m in molecules]
+        counts = np.array([len(i) for i, _ in found], dtype=np.int64)
+        i = torch.cat([torch.zeros(0, dtype=torch.int64), *(i for i, _ in found)]).numpy()
+        j = torch.cat([torch.zeros(0, dtype=torch.int64), *(j for _, j in found)]).numpy()
+        pairs = RadiusPairs(i, j, np.concatenate([[0], np.cumsum(counts)]), layout.cutoff)
+    index = np.array([m.index for m in molecules], dtype=np.int64)
+    arrays = FeedArrays.build(
+        z, pos, forces, offsets, np.array([m.y for m in molecules], dtype=np.float64), pairs,
+        ids=index, source="the given molecules", store_index=index,
+    )  # fmt: skip
+    lengths = torch.zeros(layout.packs_per_batch, dtype=torch.int64)
+    lengths[: len(packs)] = torch.tensor([len(p) for p in packs], dtype=torch.int64)
+    return unstack(assemble(arrays, layout, torch.arange(len(molecules)), lengths))[0]
 
 
 class PackedLoader:
     """Iterates host calls (lists of ``micro_per_call`` Batches) over an epoch.
 
-    ``workers = 0`` builds batches synchronously in this process (same batches, for
-    debugging); otherwise persistent worker processes build them with ``prefetch`` batches
-    buffered per worker. Every batch is checked against the first batch's shapes.
+    ``workers = 0`` assembles each chunk of batches when the previous one is used up, in the
+    caller's thread; ``workers > 0`` threads assemble up to ``max(prefetch, workers)`` chunks
+    ahead. ``pin_memory``: CPU chunks go to pinned memory (non-blocking copies to CUDA). Every
+    batch is checked against the first batch's shapes.
     """
 
     def __init__(
-        self, dataset: PackedDataset, workers: int = 0, prefetch: int = 2, pin_memory: bool = False
+        self,
+        dataset: PackedDataset,
+        workers: int = 0,
+        prefetch: int = 2,
+        pin_memory: bool = False,
+        chunk_batches: int | None = None,
     ) -> None:
         self.dataset = dataset
-        self.sampler = EpochSampler(len(dataset))
+        self.workers = workers
+        self.ahead = max(prefetch, workers, 1)
+        self.pin = pin_memory
         self.signature: tuple | None = None
-        self.loader = DataLoader(
-            dataset,
-            batch_size=None,
-            sampler=self.sampler,
-            collate_fn=_keep,
-            num_workers=workers,
-            prefetch_factor=prefetch if workers else None,
-            persistent_workers=workers > 0,
-            pin_memory=pin_memory,
-        )
+        per_batch = dataset.layout.batch_bytes(dataset.arrays.forces is not None)
+        self.chunk_batches = chunk_batches or max(1, CHUNK_BYTES // per_batch)
+        self._pool = ThreadPoolExecutor(workers, "feed") if workers else None
 
     def __len__(self) -> int:
         """Host calls per epoch."""
@@ -309,27 +303,39 @@ class PackedLoader:
 
     def epoch(self, epoch: int, start_call: int = 0) -> Iterator[list[Batch]]:
         """Host calls of an epoch, from ``start_call`` on (a resumed epoch skips the rest)."""
-        self.sampler.epoch = epoch
-        self.sampler.start = start_call * self.dataset.layout.micro_per_call
+        micro = self.dataset.layout.micro_per_call
         call: list[Batch] = []
-        for batch in self._batches():
+        for batch in self._batches(epoch, start_call * micro):
             self.check_shape(batch)
             call.append(batch)
-            if len(call) == self.dataset.layout.micro_per_call:
+            if len(call) == micro:
                 yield call
                 call = []
 
-    def _batches(self) -> Iterator[Batch]:
-        """The DataLoader's batches; a worker that dies becomes a LoaderError, not a hang."""
-        try:
-            yield from self.loader
-        except LoaderError:
-            raise
-        except (RuntimeError, ConnectionError, EOFError) as err:
-            raise LoaderError(
-                f"a data-loading worker died ({type(err).__name__}: {err}); the run stops. "
-                "Out of memory? Try fewer loader.workers."
-            ) from err
+    def _batches(self, epoch: int, first: int) -> Iterator[Batch]:
+        total = len(self.dataset)
+        bounds = [
+            (a, min(a + self.chunk_batches, total)) for a in range(first, total, self.chunk_batches)
+        ]
+        if self._pool is None:
+            for a, b in bounds:
+                yield from unstack(self.dataset.assemble(epoch, a, b, self.pin))
+            return
+        self.dataset.packs(epoch)  # drawn once here, not raced for by the threads
+        chunks = iter(bounds)
+        pending: deque = deque()
+
+        def submit() -> None:
+            chunk = next(chunks, None)
+            if chunk is not None:
+                pending.append(self._pool.submit(self.dataset.assemble, epoch, *chunk, self.pin))
+
+        for _ in range(self.ahead):
+            submit()
+        while pending:
+            assembled = pending.popleft().result()
+            submit()
+            yield from unstack(assembled)
 
     def check_shape(self, batch: Batch) -> None:
         signature = batch.signature()

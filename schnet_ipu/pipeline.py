@@ -10,9 +10,10 @@ import functools
 import logging
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from schnet_ipu.baseline import element_counts, fit_dressed_atoms, predict_dressed_atoms
 from schnet_ipu.config import Config, ConfigError
@@ -23,6 +24,7 @@ from schnet_ipu.data import (
     ensure_store,
     load_or_make_split,
 )
+from schnet_ipu.feed import FeedArrays
 from schnet_ipu.loader import Layout, PackedDataset, PackedLoader
 from schnet_ipu.packing import PackingError, PackPlan, plan_packing
 
@@ -53,6 +55,7 @@ class PreparedData:
     counts: np.ndarray  # uint16 [M, 119] element counts per molecule
     dressed_atoms: np.ndarray  # float64 [119] baseline energy per element (train fit)
     timings: dict[str, float]
+    feeds: dict[str, FeedArrays] = field(default_factory=dict)  # device -> the loaders' arrays
 
     @property
     def train_plan(self) -> PackPlan:
@@ -71,6 +74,13 @@ class PreparedData:
 
     def mean_atoms(self) -> float:
         return float(self.store.num_atoms[self.split["train"]].mean())
+
+    def feed_arrays(self, cutoff: float | None, device: str) -> FeedArrays:
+        """The store's flat arrays for the loaders, once per device (see schnet_ipu.feed)."""
+        if device not in self.feeds:
+            cpu = self.feeds.get("cpu") or FeedArrays.from_store(self.store, self.targets, cutoff)
+            self.feeds[device] = cpu.to(device)
+        return self.feeds[device]
 
 
 def prepare_data(cfg: Config) -> PreparedData:
@@ -201,11 +211,13 @@ def make_loader(
     replicas: int = 1,
     pin_memory: bool = False,
     replicas_in_call: int = 1,
+    device: str = "cpu",
 ) -> PackedLoader:
     """The loader of one split for one process.
 
     Training reads D x A micro-batches per host call, times ``replicas_in_call`` when one
-    process feeds several replicas (PopTorch); every other split reads one per call.
+    process feeds several replicas (PopTorch); every other split reads one per call. Batches
+    are assembled on ``device`` when the data is device-resident (``loader.device_resident``).
     """
     training = split == "train"
     micro = 1
@@ -221,6 +233,10 @@ def make_loader(
         replica=replica,
     )
     index = data.split[split]
+    cutoff = cfg.model.cutoff if cfg.model.graph == "radius" else None
+    feed = data.feed_arrays(cutoff, "cpu")
+    if resident_device(cfg.loader.device_resident, device, feed.nbytes()) != "cpu":
+        feed = data.feed_arrays(cutoff, device)
     dataset = PackedDataset(
         data.store,
         index,
@@ -230,6 +246,7 @@ def make_loader(
         seed=cfg.seed,
         edge_counts=None if data.edge_counts is None else data.edge_counts[index],
         shuffle=training,
+        arrays=feed,
     )
     if training:
         needed = micro * replicas * cfg.packing.packs_per_batch
@@ -241,4 +258,16 @@ def make_loader(
                 "backend.device_iterations, backend.gradient_accumulation or "
                 "packing.packs_per_batch, or use more data"
             )
-    return PackedLoader(dataset, cfg.loader.workers, cfg.loader.prefetch, pin_memory=pin_memory)
+    pin = pin_memory and feed.device.type == "cpu"
+    return PackedLoader(dataset, cfg.loader.workers, cfg.loader.prefetch, pin_memory=pin)
+
+
+def resident_device(setting: str, device: str, nbytes: int) -> str:
+    """Where the loader keeps a split's arrays: ``device`` when ``loader.device_resident`` is
+    true, or auto on CUDA with ``nbytes`` under half the free device memory; else cpu."""
+    if setting == "false" or not device.startswith("cuda"):
+        return "cpu"
+    if setting == "true":
+        return device
+    free, _ = torch.cuda.mem_get_info(torch.device(device))
+    return device if nbytes < free // 2 else "cpu"

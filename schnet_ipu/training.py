@@ -113,9 +113,9 @@ def run(cfg: Config) -> None:
     # PopTorch (and its emulator) replicates inside one process, which feeds its replicas
     in_call = replicas_in_call(cfg.backend, device, replica)
     train_loader = make_loader(
-        cfg, data, "train", replica.rank, replica.world_size, pin, replicas_in_call=in_call
+        cfg, data, "train", replica.rank, replica.world_size, pin, in_call, device
     )
-    val_loader = make_loader(cfg, data, "val", replica.rank, replica.world_size, pin)
+    val_loader = make_loader(cfg, data, "val", replica.rank, replica.world_size, pin, 1, device)
     steps_per_epoch = len(train_loader) * cfg.backend.device_iterations
     scheduler = make_scheduler(cfg, optimizer, steps_per_epoch)
 
@@ -187,6 +187,7 @@ def run(cfg: Config) -> None:
                 data_seconds=train_stats["data_seconds"],
                 step_seconds=train_stats["step_seconds"],
                 epoch_seconds=train_stats["seconds"],
+                data_wait_fraction=train_stats["data_seconds"] / max(train_stats["seconds"], 1e-9),
                 unit=data.unit,
             )
             log.info(

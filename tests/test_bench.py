@@ -56,9 +56,17 @@ def test_throughput(store: Path, tmp_path: Path) -> None:
 def test_loader(store: Path, tmp_path: Path) -> None:
     from schnet_ipu.bench import loader
 
-    report = loader.run_loader(store, sample=200, size=TINY, timing=ONE_STEP, workers=(0, 1))
+    small = ("data.val=0.1", "data.test=0.1", "packing.packs_per_batch=2")
+    report = loader.run_loader(store, small, workers=(0, 1), pyg_molecules=50)
     loaded = check_report(report, "loader", tmp_path, loader)
-    assert loaded["ratios"]["loader_vs_training"] > 0
+    names = [r["name"] for r in loaded["results"]]
+    assert names == [
+        "ours 0 workers",
+        "ours 1 workers",
+        "ours device-resident",
+        "stock PyG DataLoader",
+    ]
+    assert loaded["ratios"]["default_vs_pyg_warm"] > 0 and loaded["ratios"]["peak_rss_mb"] > 0
 
 
 def test_batching(store: Path, tmp_path: Path) -> None:

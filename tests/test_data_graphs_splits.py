@@ -112,7 +112,7 @@ def test_knn_edges_match_brute_force(seed):
 def test_molecule_pairs_and_edge_counts(qm9):
     counts = edge_counts(qm9, 3.0)
     assert counts.dtype == np.int64 and counts.shape == (len(qm9),)
-    assert qm9.path.with_name("qm9.h5.edges-cutoff3.npz").is_file()
+    assert qm9.path.with_name("qm9.h5.pairs-cutoff3.npz").is_file()
     for i in range(0, len(qm9), 37):
         _, pos = qm9.molecule(i)
         a, b = molecule_pairs(pos, 3.0)
@@ -121,12 +121,3 @@ def test_molecule_pairs_and_edge_counts(qm9):
     np.testing.assert_array_equal(edge_counts(qm9.path, 3.0), counts)  # from the cache
     full = edge_counts(qm9, 100.0)
     np.testing.assert_array_equal(full, qm9.num_atoms * (qm9.num_atoms - 1))
-
-
-def test_edge_count_cache_from_other_arithmetic_is_recomputed(qm9):
-    """A cache written before the current distance test (no version) is not trusted."""
-    counts = edge_counts(qm9, 2.5)
-    cache = qm9.path.with_name("qm9.h5.edges-cutoff2.5.npz")
-    stale = counts + 2
-    np.savez(cache, counts=stale, cutoff=2.5, created=str(qm9.attrs.get("created", "")))
-    np.testing.assert_array_equal(edge_counts(qm9, 2.5), counts)

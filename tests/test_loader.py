@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
-import os
-import signal
+import dataclasses
 
 import numpy as np
 import pytest
 import torch
 
-from schnet_ipu.data import MoleculeStore, edge_counts, import_qm9
-from schnet_ipu.loader import Layout, LoaderError, PackedDataset, PackedLoader
+from schnet_ipu.data import MoleculeStore, edge_counts, import_qm9, write_store
+from schnet_ipu.loader import (
+    Layout,
+    LoaderError,
+    PackedDataset,
+    PackedLoader,
+    PackMolecule,
+    collate,
+)
 from schnet_ipu.packing import plan_packing
 
 CUTOFF = 5.0
@@ -89,7 +95,10 @@ def test_batches_hold_the_store_molecules_and_masks_are_right(store):
 
 def test_radius_edges_are_halves_within_molecules_and_complete(store):
     dataset = make_dataset(store, radius=True)
-    for b in epoch_batches(PackedLoader(dataset), 0):
+    batches = epoch_batches(PackedLoader(dataset), 0)
+    edges = int(edge_counts(store, CUTOFF).sum())  # every molecule's, once per direction
+    assert sum(int(b.edge_mask.sum()) for b in batches) == edges
+    for b in batches:
         half = b.edge_index.shape[1] // 2
         forward, backward = b.edge_index[:, :half], b.edge_index[:, half:]
         assert torch.equal(backward, forward.flip(0))
@@ -119,15 +128,40 @@ def test_epochs_redraw_contents_but_not_shapes(store):
     assert torch.equal(dataset[(0, 0)].molecule_index, a.molecule_index)
 
 
-def test_same_batches_whatever_the_worker_count(store):
-    dataset = make_dataset(store, radius=True)
+def assert_same_batches(xs, ys) -> None:
+    xs, ys = list(xs), list(ys)
+    assert len(xs) == len(ys)
+    for x, y in zip(xs, ys, strict=True):
+        assert x.present_fields() == y.present_fields() and x.signature() == y.signature()
+        for t, u in zip(x.as_tuple(), y.as_tuple(), strict=True):
+            assert torch.equal(t, u)
+
+
+def test_same_batches_whatever_the_mode_threads_and_chunking(store):
+    dataset = make_dataset(store, radius=True, micro=2)
     reference = epoch_batches(PackedLoader(dataset, workers=0), 1)
-    workers = PackedLoader(dataset, workers=2, prefetch=2)
-    for epoch in (1, 1):  # persistent workers serve the same epoch twice
-        for x, y in zip(reference, epoch_batches(workers, epoch), strict=True):
-            assert x.signature() == y.signature()
-            for t, u in zip(x.as_tuple(), y.as_tuple(), strict=True):
-                assert torch.equal(t, u)
+    threads = PackedLoader(dataset, workers=2, prefetch=2, chunk_batches=3)
+    for epoch in (1, 1):  # the same epoch twice
+        assert_same_batches(reference, epoch_batches(threads, epoch))
+    # device-resident: the arrays on the training device (the CPU here), same program
+    on_device = make_dataset(store, radius=True, micro=2)
+    on_device.arrays = dataset.arrays.to("cpu")
+    assert_same_batches(reference, epoch_batches(PackedLoader(on_device, chunk_batches=1), 1))
+    # and the public collate of the same molecules, read one by one from the store
+    targets = store.target("U0")
+    for i, batch in enumerate(reference[:4]):
+        layout, packs = dataset.layout, dataset.packs(1)
+        first = dataset.global_micro_batch(i) * layout.packs_per_batch
+        molecules, starts, lengths = packs
+        members = [
+            molecules[starts[p] : starts[p] + lengths[p]].tolist()
+            for p in range(first, min(first + layout.packs_per_batch, len(lengths)))
+        ]
+        given = [
+            [PackMolecule(*store.molecule(m), float(targets[m]), m) for m in pack]
+            for pack in members
+        ]
+        assert_same_batches([batch], [collate(given, layout)])
 
 
 def test_replicas_read_distinct_shares_that_cover_the_epoch(store):
@@ -160,26 +194,53 @@ def test_shape_change_fails_loudly(store):
         loader.check_shape(batch)
 
 
-def test_unreadable_molecule_names_the_molecule_and_file(store, tmp_path):
+def test_unreadable_store_names_the_file(store, tmp_path):
     broken = tmp_path / "broken.h5"
     broken.write_bytes(store.path.read_bytes())
-    dataset = make_dataset(MoleculeStore(broken))
-    broken.write_bytes(b"not hdf5 any more")  # the worker opens the file lazily, after this
-    with pytest.raises(LoaderError, match=r"cannot read molecule \d+ from .*broken\.h5"):
-        epoch_batches(PackedLoader(dataset, workers=1), 0)
+    opened = MoleculeStore(broken)
+    targets = opened.target("U0")
+    opened.close()
+    broken.write_bytes(b"not hdf5 any more")  # the molecules are read after this
+    with pytest.raises(LoaderError, match=r"cannot read the molecules of .*broken\.h5"):
+        make_dataset(opened, targets=targets)
 
 
-class _DyingDataset(PackedDataset):
-    """Kills its worker process on the third batch: a crash no exception can report."""
+@pytest.mark.parametrize("what", ["atoms", "edges"])
+def test_a_molecule_too_large_for_a_pack_is_named(store, what):
+    dataset = make_dataset(store, radius=True)
+    biggest = int(np.argmax(store.num_atoms if what == "atoms" else edge_counts(store, CUTOFF)))
+    lay = dataset.layout
+    if what == "atoms":
+        lay = dataclasses.replace(lay, max_nodes=int(store.num_atoms[biggest]) - 1)
+    else:
+        lay = dataclasses.replace(lay, max_edges=int(edge_counts(store, CUTOFF)[biggest]) - 2)
+    dataset.layout = lay
+    record = int(store.ids[biggest])
+    with pytest.raises(
+        LoaderError, match=rf"molecule {biggest} \(record {record}\).* {what}.*max_"
+    ):
+        dataset.collate([np.array([biggest])])
 
-    def __getitem__(self, key):
-        if key[1] == 2:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return super().__getitem__(key)
 
-
-def test_a_killed_worker_stops_the_run_instead_of_hanging(store):
+def test_a_pack_over_its_limits_is_an_error(store):
     dataset = make_dataset(store)
-    dataset.__class__ = _DyingDataset
-    with pytest.raises(RuntimeError, match=r"(?i)worker"):
-        epoch_batches(PackedLoader(dataset, workers=1), 0)
+    pack = np.arange(dataset.layout.max_graphs + 1)
+    with pytest.raises(LoaderError, match="pack 0 holds"):
+        dataset.collate([pack])
+
+
+def test_forces_are_gathered_like_positions(store, tmp_path):
+    z, pos = store.concatenated()
+    forces = np.random.default_rng(0).normal(size=pos.shape).astype(np.float32)
+    path = write_store(
+        tmp_path / "forces.h5", z, pos, {"U0": store.target("U0")}, {"U0": "eV"},
+        offsets=store.offsets, forces=forces, forces_unit="eV/Angstrom",
+    )  # fmt: skip
+    with_forces = MoleculeStore(path)
+    for b in epoch_batches(PackedLoader(make_dataset(with_forces, radius=True)), 0):
+        assert b.forces.shape == b.pos.shape and b.forces.dtype == torch.float32
+        assert torch.all(b.forces[~b.node_mask] == 0)
+        for slot in torch.nonzero(b.graph_mask).flatten().tolist():
+            m = int(b.molecule_index[slot])
+            want = forces[store.offsets[m] : store.offsets[m + 1]]
+            assert torch.equal(b.forces[b.graph == slot], torch.from_numpy(want))

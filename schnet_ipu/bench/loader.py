@@ -1,126 +1,188 @@
-"""Loader-only throughput (0, 1, 2 workers; cold and warm cache) against training consumption.
+"""Loader-only molecules/s of ``configs/qm9.yaml``'s training loader, cold and warm, for
+every feed mode, side by side with stock PyG's DataLoader over the same molecules.
 
-Cold: a fresh store handle and loader, so every molecule is read from HDF5 (and worker
-start-up is paid); warm: the next epoch through the same loader, molecules cached. The
-training rate is the default config's step rate measured in the same run.
+Modes: in-process (workers 0), background threads (workers 1, 2) and device-resident (the
+split's arrays on the training device: CUDA when present, else the CPU, where it is the
+in-process program on the same tensors). Cold: the one-time radius-pair build of a fresh
+store copy, plus reading the store into the feed arrays, plus the first epoch; warm: the
+next epoch. PyG: ``torch_geometric.loader.DataLoader`` over ``Data`` objects read from the
+store, the radius graph built per molecule as a transform (pure torch; torch-cluster is not
+installed); cold includes reading the molecules into ``Data`` objects.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import gc
+import resource
+import shutil
+import sys
+import tempfile
 import time
 from pathlib import Path
 
-from schnet_ipu.bench.common import (
-    QM9_STORE,
-    Timing,
-    bench_config,
-    make_trainer,
-    measure,
-    new_report,
-    ratio,
-    training_step,
-)
-from schnet_ipu.config import ModelConfig
-from schnet_ipu.data import MoleculeStore
+import numpy as np
+import torch
+
+from schnet_ipu.bench.common import QM9_STORE, new_report, ratio
+from schnet_ipu.config import load_config
+from schnet_ipu.data import radius_edges
 from schnet_ipu.loader import PackedLoader
 from schnet_ipu.pipeline import PreparedData, make_loader, prepare_data
 
-COLUMNS = ["name", "workers", "cache", "batches_per_s", "molecules_per_s", "batches",
-           "loader_vs_training"]  # fmt: skip
-PLOT = ("name", "batches_per_s", "micro-batches/s")
+COLUMNS = ["name", "workers", "device", "cold_molecules_per_s", "warm_molecules_per_s",
+           "vs_pyg_cold", "vs_pyg_warm", "molecules", "feed_state_mb", "rss_mb"]  # fmt: skip
+PLOT = ("name", "warm_molecules_per_s", "molecules/s (warm)")
+NO_GPU = " (no GPU here: the in-process program on the same CPU tensors)"
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "qm9.yaml"
 
 
-def epoch_rate(loader: PackedLoader, epoch: int, max_calls: int) -> tuple[float, float, int]:
-    """Iterate up to ``max_calls`` host calls of an epoch; (batches/s, molecules/s, batches)."""
-    batches = molecules = 0
+def rss_mb() -> float:
+    """Resident memory of this process now, MB."""
+    pages = int(Path("/proc/self/statm").read_text().split()[1])
+    return pages * resource.getpagesize() / 2**20
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def epoch_molecules(loader: PackedLoader, epoch: int) -> tuple[int, float]:
+    """(molecules, seconds) of one whole epoch."""
     start = time.perf_counter()
-    for call in loader.epoch(epoch):
-        batches += len(call)
-        molecules += sum(b.num_molecules for b in call)
-        if batches >= max_calls:
-            break
-    seconds = time.perf_counter() - start
-    return batches / seconds, molecules / seconds, batches
+    molecules = sum(b.num_molecules for call in loader.epoch(epoch) for b in call)
+    return molecules, time.perf_counter() - start
 
 
-def fresh(data: PreparedData) -> PreparedData:
-    """The same data with a new store handle whose molecule cache is empty."""
-    return dataclasses.replace(data, store=MoleculeStore(data.store.path, cache=True))
+def ours(cfg, data: PreparedData, name: str, workers: int, device: str, pairs_s: float) -> dict:
+    cfg.loader.workers = workers
+    cfg.loader.device_resident = "true" if device != "cpu" else "false"
+    data.feeds.clear()  # read the store again: cold
+    start = time.perf_counter()
+    loader = make_loader(cfg, data, "train", device=device)
+    setup = time.perf_counter() - start
+    molecules, first = epoch_molecules(loader, 0)
+    _, warm = epoch_molecules(loader, 1)
+    arrays = loader.dataset.arrays
+    chunk = loader.chunk_batches * loader.dataset.layout.batch_bytes(arrays.forces is not None)
+    row = {
+        "name": name,
+        "workers": workers,
+        "device": str(arrays.device),
+        "cold_molecules_per_s": molecules / (pairs_s + setup + first),
+        "warm_molecules_per_s": molecules / warm,
+        "molecules": molecules,
+        "feed_state_mb": (arrays.nbytes() + chunk * (loader.ahead + 1)) / 2**20,
+        "rss_mb": rss_mb(),
+    }
+    del loader
+    gc.collect()
+    return row
+
+
+def pyg(data: PreparedData, cutoff: float, batch_size: int, limit: int) -> dict:
+    """Stock PyG DataLoader over (up to ``limit`` of) the same training molecules."""
+    from torch_geometric.data import Data
+    from torch_geometric.loader import DataLoader
+
+    class RadiusGraph:
+        """What ``torch_geometric.transforms.RadiusGraph`` does, without torch-cluster."""
+
+        def __call__(self, item: Data) -> Data:
+            item.edge_index = radius_edges(item.pos, cutoff)
+            return item
+
+    class Molecules(torch.utils.data.Dataset):
+        def __init__(self, items: list[Data]) -> None:
+            self.items, self.transform = items, RadiusGraph()
+
+        def __len__(self) -> int:
+            return len(self.items)
+
+        def __getitem__(self, i: int) -> Data:
+            return self.transform(self.items[i].clone())
+
+    start = time.perf_counter()
+    items = []
+    for index in data.split["train"][:limit].tolist():
+        z, pos = data.store.molecule(index)
+        y = torch.tensor([data.targets[index]], dtype=torch.float32)
+        items.append(Data(z=torch.from_numpy(z.astype(np.int64)), pos=torch.from_numpy(pos), y=y))
+    loader = DataLoader(Molecules(items), batch_size=batch_size, shuffle=True)
+    read = time.perf_counter() - start
+    seconds = []
+    for _ in range(2):
+        start = time.perf_counter()
+        molecules = sum(batch.num_graphs for batch in loader)
+        seconds.append(time.perf_counter() - start)
+    return {
+        "name": "stock PyG DataLoader",
+        "workers": 0,
+        "device": "cpu",
+        "cold_molecules_per_s": molecules / (read + seconds[0]),
+        "warm_molecules_per_s": molecules / seconds[1],
+        "molecules": molecules,
+        "rss_mb": rss_mb(),
+    }
+
+
+def progress(row: dict) -> None:
+    """One finished mode on stderr, so a long run shows where it is."""
+    cold, warm = row["cold_molecules_per_s"], row["warm_molecules_per_s"]
+    print(f"{row['name']}: cold {cold:.0f}, warm {warm:.0f} molecules/s", file=sys.stderr)
 
 
 def run_loader(
     store: str | Path = QM9_STORE,
-    sample: int = 10000,
-    size: ModelConfig | None = None,
-    timing: Timing | None = None,
+    overrides: tuple[str, ...] = (),
     workers: tuple[int, ...] = (0, 1, 2),
-    max_batches: int = 400,
+    pyg_molecules: int = 10000,
 ) -> dict:
-    """Loader batches/s for each worker count, cold then warm, beside the training step rate."""
-    size = size or ModelConfig()
-    timing = timing or Timing(warmup=3, steps=10, repeats=3)
-    cfg = bench_config(store, sample, size, [])
-    data = prepare_data(cfg)
-
-    trainer_loader = make_loader(cfg, data, "train")
-    train = measure(training_step(trainer_loader, make_trainer(cfg, data)), timing)
-    del trainer_loader
-    gc.collect()
-    default = cfg.loader.workers
-    training_rate = 1 / train.step_seconds  # one micro-batch per host call by default
-    results = [
-        {
-            "name": f"training ({default} workers)",
-            "workers": default,
-            "cache": "-",
-            "batches_per_s": training_rate,
-            "molecules_per_s": train.molecules_per_s,
-        }
-    ]
-    for count in workers:
-        cfg.loader.workers = count
-        loader = make_loader(cfg, fresh(data), "train")
-        for cache, epoch in (("cold", 0), ("warm", 1)):
-            batches_per_s, molecules_per_s, batches = epoch_rate(loader, epoch, max_batches)
-            results.append(
-                {
-                    "name": f"loader {count} workers {cache}",
-                    "workers": count,
-                    "cache": cache,
-                    "batches_per_s": batches_per_s,
-                    "molecules_per_s": molecules_per_s,
-                    "batches": batches,
-                    "loader_vs_training": ratio(batches_per_s, training_rate),
-                }
-            )
-        del loader
-        gc.collect()
-    reference = default if default in workers else max(workers)
-    warm = next(r for r in results[1:] if r["workers"] == reference and r["cache"] == "warm")
+    """Every mode on ``configs/qm9.yaml`` (plus ``overrides``) over ``store``, side by side."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with tempfile.TemporaryDirectory() as fresh:
+        copy = Path(fresh) / Path(store).name  # no pairs file yet: cold builds it
+        shutil.copy(store, copy)
+        cfg = load_config(CONFIG, [f"data.path={copy}", "backend.device=cpu", *overrides])
+        data = prepare_data(cfg)
+        pairs_s = data.timings.get("edge_counts", 0.0)
+        modes = [(f"ours {w} workers", w, "cpu") for w in workers]
+        rows = []
+        for name, count, where in [*modes, ("ours device-resident", 0, device)]:
+            rows.append(ours(cfg, data, name, count, where, pairs_s))
+            progress(rows[-1])
+        per_batch = rows[0]["molecules"] / (len(make_loader(cfg, data, "train")) or 1)
+        reference = pyg(data, cfg.model.cutoff, max(1, round(per_batch)), pyg_molecules)
+        progress(reference)
+    for row in rows:
+        row["vs_pyg_cold"] = ratio(row["cold_molecules_per_s"], reference["cold_molecules_per_s"])
+        row["vs_pyg_warm"] = ratio(row["warm_molecules_per_s"], reference["warm_molecules_per_s"])
+    default = next((r for r in rows if r["workers"] == load_config(CONFIG).loader.workers), rows[0])
     ratios = {
-        "loader_vs_training": warm["loader_vs_training"],
-        **{
-            f"loader_{r['workers']}w_{r['cache']}_vs_training": r["loader_vs_training"]
-            for r in results[1:]
-        },
+        "default_warm_molecules_per_s": default["warm_molecules_per_s"],
+        "default_cold_molecules_per_s": default["cold_molecules_per_s"],
+        "default_vs_pyg_warm": default["vs_pyg_warm"],
+        "default_vs_pyg_cold": default["vs_pyg_cold"],
+        "pairs_build_seconds": pairs_s,
+        "peak_rss_mb": peak_rss_mb(),
     }
     notes = [
-        f"Default config (graph {cfg.model.graph}, packing {cfg.packing.algorithm}, "
-        f"{cfg.packing.packs_per_batch} packs per batch) on {len(data.split['train'])} QM9 "
-        "training molecules.",
-        f"Training: median of {timing.repeats} windows of {timing.steps} steps after "
-        f"{timing.warmup} warm-up steps, loading included.",
-        f"Loader: up to {max_batches} micro-batches per epoch; cold = fresh store handle and "
-        "loader (includes worker start-up), warm = the next epoch (molecules cached).",
-        "loader_vs_training = loader micro-batches/s / training micro-batches/s "
-        f"({reference} workers, warm); above 1 the loader keeps up.",
+        f"configs/qm9.yaml training loader ({cfg.model.graph} graphs, cutoff "
+        f"{cfg.model.cutoff}, {cfg.packing.algorithm} packing, {cfg.packing.packs_per_batch} "
+        f"packs per batch) on {len(data.split['train'])} training molecules of {store}.",
+        f"Cold = radius-pair build of a fresh store copy ({pairs_s:.1f} s, paid once per store "
+        "and cutoff) + reading the store into feed arrays + the first epoch; warm = epoch 2.",
+        "workers = background threads assembling chunks of batches ahead (no processes).",
+        f"device-resident ran on {device}{NO_GPU if device == 'cpu' else ''}.",
+        f"PyG: stock DataLoader, {reference['molecules']} of the same molecules, "
+        f"{max(1, round(per_batch))} per batch (ours' mean), radius graph per molecule by "
+        "schnet_ipu.data.radius_edges as a transform (torch-cluster is not installed).",
+        "feed_state_mb: the feed arrays plus the chunks in flight; rss_mb: this process after "
+        "the mode; peak_rss_mb: the whole run (prepare_data and PyG included).",
     ]
-    return new_report("loader", results, ratios, notes)
+    return new_report("loader", [*rows, reference], ratios, notes)
 
 
 def run(quick: bool, store: str | Path) -> dict:
     if quick:
-        return run_loader(store, sample=2000, timing=Timing(2, 5, 3), max_batches=100)
+        return run_loader(store, ("data.subset=20000", "data.val=1000", "data.test=1000"), (0, 1))
     return run_loader(store)

@@ -12,8 +12,9 @@ import time
 from pathlib import Path
 
 from ..config import DataConfig
-from .graphs import edge_counts, knn_edges, molecule_pairs, radius_edges
+from .graphs import knn_edges, molecule_pairs, radius_edges
 from .hydronet import import_hydronet
+from .pairs import RadiusPairs, edge_counts, radius_pairs
 from .qm9 import import_qm9, import_qm9_raw
 from .splits import load_or_make_split, make_split
 from .store import MoleculeStore, StoreError, write_store
@@ -23,6 +24,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "MoleculeStore",
+    "RadiusPairs",
     "StoreError",
     "edge_counts",
     "ensure_store",
@@ -35,6 +37,7 @@ __all__ = [
     "make_split",
     "molecule_pairs",
     "radius_edges",
+    "radius_pairs",
     "write_store",
 ]
 

@@ -6,23 +6,9 @@ Conventions: a pair is within the cutoff when its distance is <= cutoff; an edge
 
 from __future__ import annotations
 
-import logging
-import time
-from pathlib import Path
-
 import numpy as np
 import torch
 from torch import Tensor
-
-from .store import MoleculeStore
-
-log = logging.getLogger(__name__)
-
-# Bumped when within_cutoff's arithmetic changes: cached counts must match the loader's edges.
-EDGE_COUNT_VERSION = 2
-
-# Largest distance block (molecules x n x n) evaluated at once in edge_counts.
-_BLOCK_ELEMENTS = 1 << 21
 
 
 def _as_batch(pos: Tensor, batch: Tensor | None) -> Tensor:
@@ -92,8 +78,8 @@ def molecule_pairs(pos: Tensor | np.ndarray, cutoff: float) -> tuple[Tensor, Ten
 def within_cutoff(block: Tensor, cutoff: float) -> Tensor:
     """bool [B, n, n]: atoms a, b of block [B, n, 3] are within ``cutoff`` (a == b included).
 
-    The one distance test behind the packer's edge counts and the loader's radius graphs, so
-    a pack never holds more edges than it was planned with. Squared distances are summed
+    The one distance test behind the pairs file (:mod:`.pairs`), hence behind both the
+    packer's edge counts and the loader's radius graphs. Squared distances are summed
     x, y, z in that order by elementwise ops, so a pair gets the same bits in any block.
     """
     x, y, z = block.unbind(-1)
@@ -101,46 +87,3 @@ def within_cutoff(block: Tensor, cutoff: float) -> Tensor:
     square += (y.unsqueeze(2) - y.unsqueeze(1)).square_()
     square += (z.unsqueeze(2) - z.unsqueeze(1)).square_()
     return square <= cutoff * cutoff
-
-
-def edge_counts(store: MoleculeStore | str | Path, cutoff: float) -> np.ndarray:
-    """Directed radius edges per molecule, int64 [M], cached beside the store.
-
-    Molecules of equal atom count n are stacked into [m, n, 3] blocks and counted with one
-    batched distance matrix per block.
-    """
-    if not isinstance(store, MoleculeStore):
-        store = MoleculeStore(store)
-    cache = store.path.with_name(f"{store.path.name}.edges-cutoff{cutoff:g}.npz")
-    stamp = str(store.attrs.get("created", ""))
-    if cache.is_file():
-        with np.load(cache) as saved:
-            if (
-                str(saved["created"]) == stamp
-                and int(saved.get("version", 1)) == EDGE_COUNT_VERSION
-                and len(saved["counts"]) == len(store)
-            ):
-                return saved["counts"]
-    start = time.perf_counter()
-    _, pos = store.concatenated()
-    pos_t = torch.from_numpy(pos)
-    counts = np.zeros(len(store), dtype=np.int64)
-    sizes = store.num_atoms
-    for n in np.unique(sizes):
-        members = np.flatnonzero(sizes == n)
-        step = max(1, _BLOCK_ELEMENTS // (n * n))
-        for lo in range(0, len(members), step):
-            chunk = members[lo : lo + step]
-            atoms = store.offsets[chunk][:, None] + np.arange(n)
-            block = pos_t[torch.from_numpy(atoms)]  # [m, n, 3]
-            counts[chunk] = within_cutoff(block, cutoff).sum(dim=(1, 2)).numpy() - n
-    tmp = cache.with_name(f".{cache.name}.tmp.npz")
-    np.savez(tmp, counts=counts, cutoff=cutoff, created=stamp, version=EDGE_COUNT_VERSION)
-    tmp.replace(cache)
-    log.info(
-        "edge counts (cutoff %g) in %.1f s, cached at %s",
-        cutoff,
-        time.perf_counter() - start,
-        cache,
-    )
-    return counts

@@ -3,6 +3,12 @@
 The loader and trainer use :func:`plan_packing` once and :func:`assign_packs` per epoch.
 """
 
-from schnet_ipu.packing.plan import PackingError, PackPlan, assign_packs, plan_packing
+from schnet_ipu.packing.plan import (
+    PackingError,
+    PackPlan,
+    assign_packs,
+    assign_packs_flat,
+    plan_packing,
+)
 
-__all__ = ["PackPlan", "PackingError", "assign_packs", "plan_packing"]
+__all__ = ["PackPlan", "PackingError", "assign_packs", "assign_packs_flat", "plan_packing"]

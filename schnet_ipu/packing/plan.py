@@ -25,7 +25,7 @@ from schnet_ipu.packing.strategy import (
 )
 from schnet_ipu.packing.tuple_packing import pair_histogram, tuple_pack
 
-__all__ = ["PackPlan", "PackingError", "assign_packs", "plan_packing"]
+__all__ = ["PackPlan", "PackingError", "assign_packs", "assign_packs_flat", "plan_packing"]
 
 ALGORITHMS = ("lpfhp", "tuple", "pad_to_max")
 
@@ -157,6 +157,19 @@ def assign_packs(
     appears in exactly one pack. Raises :class:`PackingError` if the sizes do not match the
     plan (a plan made for other data).
     """
+    molecules, lengths = assign_packs_flat(plan, node_counts, edge_counts, seed, epoch)
+    return np.split(molecules, np.cumsum(lengths)[:-1])
+
+
+def assign_packs_flat(
+    plan: PackPlan,
+    node_counts: np.ndarray,
+    edge_counts: np.ndarray | None,
+    seed: int,
+    epoch: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`assign_packs` without a Python object per pack: (molecules int64 [M], the
+    packs' molecules one after the other; lengths int64 [num_packs], molecules per pack)."""
     node_counts = np.asarray(node_counts, dtype=np.int64)
     edge_counts = None if edge_counts is None else np.asarray(edge_counts, dtype=np.int64)
     check_sizes(node_counts, edge_counts)
@@ -175,7 +188,8 @@ def assign_packs(
     filled = np.empty_like(molecules)
     filled[slots] = molecules
     lengths = np.repeat([len(t) for t in plan.templates], plan.counts).astype(np.int64)
-    ends = np.cumsum(lengths)
     order = rng.permutation(len(lengths))
-    starts, ends = (ends - lengths)[order].tolist(), ends[order].tolist()
-    return [filled[a:b] for a, b in zip(starts, ends)]
+    starts = (np.cumsum(lengths) - lengths)[order]
+    lengths = lengths[order]
+    within = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return filled[np.repeat(starts, lengths) + within], lengths
