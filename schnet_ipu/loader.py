@@ -28,6 +28,7 @@ from schnet_ipu.batch import Batch
 from schnet_ipu.data import MoleculeStore
 from schnet_ipu.data.graphs import within_cutoff
 from schnet_ipu.packing import PackPlan, assign_packs
+from schnet_ipu.packing.balance import DEFAULT_COST, loader_order
 
 PADDING_SPACING = 100.0  # Angstrom between padding atoms; far beyond any cutoff
 PADDING_ORIGIN = 1000.0  # Angstrom; padding atoms sit on a line starting here
@@ -54,6 +55,7 @@ class Layout:
     micro_per_call: int = 1  # device_iterations x gradient_accumulation
     replicas: int = 1
     replica: int = 0
+    replica_balance: str = "none"  # cost_model: like-cost micro-batches share a step
 
     def __post_init__(self) -> None:
         if (self.max_edges is None) != (self.cutoff is None):
@@ -131,9 +133,27 @@ class PackedDataset(Dataset):
         if self._packs_epoch != epoch:
             draw = epoch if self.shuffle else 0
             local = assign_packs(self.plan, self.node_counts, self.edge_counts, self.seed, draw)
+            if self.layout.replica_balance == "cost_model" and self.layout.replicas > 1:
+                local = self._group_by_cost(local, epoch)
             self._packs = [self.indices[p] for p in local]
             self._packs_epoch = epoch
         return self._packs
+
+    def _group_by_cost(self, packs: list[np.ndarray], epoch: int) -> list[np.ndarray]:
+        """``packs`` (local indices) reordered so that the micro-batches replicas run in one
+        step have like predicted cost (:func:`~schnet_ipu.packing.balance.loader_order`, the
+        default cost model on real atoms and edges); empty packs fill idle slots."""
+        size, lay = self.layout.packs_per_batch, self.layout
+        micro = [packs[i : i + size] for i in range(0, len(packs), size)]
+        atoms = [sum(int(self.node_counts[p].sum()) for p in m) for m in micro]
+        edges = [0] * len(micro)
+        if self.edge_counts is not None:
+            edges = [sum(int(self.edge_counts[p].sum()) for p in m) for m in micro]
+        costs = DEFAULT_COST.predict(np.array(atoms), np.array(edges))
+        empty = np.zeros(0, dtype=np.int64)
+        order = loader_order(costs, lay.replicas, lay.micro_per_call, self.seed + epoch)
+        chosen = [micro[m] if m >= 0 else [] for m in order.tolist()]
+        return [p for m in chosen for p in [*m, *[empty] * (size - len(m))]]
 
     def global_micro_batch(self, i: int) -> int:
         lay = self.layout

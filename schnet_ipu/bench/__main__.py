@@ -1,7 +1,7 @@
 """``python -m schnet_ipu.bench SUITE [--quick] [--json PATH] [--out-dir DIR] [--store PATH]``.
 
-Suites: throughput, ablation, batching, loader, scaling. Each prints a table and writes
-``SUITE.json``, ``SUITE.md`` and ``SUITE.png`` in ``--out-dir``.
+Suites: throughput, ablation, batching, loader, scaling, dense, balance. Each prints a table
+and writes ``SUITE.json``, ``SUITE.md`` and ``SUITE.png`` in ``--out-dir``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import logging
 
 from schnet_ipu.bench.common import QM9_STORE, write_report
 
-SUITES = ("throughput", "ablation", "batching", "loader", "scaling")
+SUITES = ("throughput", "ablation", "batching", "loader", "scaling", "dense", "balance")
 
 
 def main(argv: list[str] | None = None) -> dict:
