@@ -190,6 +190,7 @@ def summarise(job: dict, records: list, cost, atoms: np.ndarray, edges: np.ndarr
                 "predicted_straggler": float((costs.max(1) / costs.mean(1)).mean()),
                 "epoch_s": statistics.median(walls),
                 "steps": len(schedule),
+                "batches": len(atoms),
                 "r2_fit": cost.r2,
                 "r2_predict": r_squared(
                     np.concatenate(predicted_all), np.concatenate(measured_all)
