@@ -61,6 +61,7 @@ class PackingConfig:
     packs_per_batch: int = 8  # B: packs in one micro-batch
     target_efficiency: float = 0.97  # for the automatic limit search
     heuristic: str = "sum"  # tuple packing: sum | product | max | min | nodes | edges
+    replica_balance: str = "none"  # none | cost_model (group micro-batches of like cost per step)
 
 
 @dataclass
@@ -84,6 +85,7 @@ class ModelConfig:
     pair_symmetric: bool = True  # radius graphs: one filter per unordered pair
     stable_softplus: bool = True  # False = naive log(1 + exp(x)) - log 2, for the ablation
     ops: str = "torch"  # op flavour: torch (CPU/CUDA) | ipu (PopTorch-mapped; ipu devices force it)
+    message_passing: str = "sparse"  # sparse (edge lists) | dense ([M, M] pair blocks per pack)
 
 
 @dataclass
@@ -148,10 +150,12 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "data.hydronet_subset": ("small", "medium", "large"),
     "packing.algorithm": ("lpfhp", "tuple", "pad_to_max"),
     "packing.heuristic": ("product", "sum", "max", "min", "nodes", "edges"),
+    "packing.replica_balance": ("none", "cost_model"),
     "model.graph": ("knn", "radius"),
     "model.readout": ("sum", "mean"),
     "model.ops": ("torch", "ipu"),
     "loader.device_resident": ("auto", "true", "false"),
+    "model.message_passing": ("sparse", "dense"),
     "optim.schedule": ("plateau", "cosine", "constant"),
     "backend.device": ("auto", "cpu", "cuda", "ipu", "ipu-model"),
     "backend.dist_backend": ("auto", "gloo", "nccl"),

@@ -34,6 +34,7 @@ from schnet_ipu.data.graphs import molecule_pairs
 from schnet_ipu.data.pairs import RadiusPairs
 from schnet_ipu.feed import Assembled, FeedArrays, LoaderError, assemble
 from schnet_ipu.packing import PackPlan, assign_packs_flat
+from schnet_ipu.packing.balance import DEFAULT_COST, loader_order
 
 __all__ = [
     "Layout",
@@ -64,6 +65,7 @@ class Layout:
     micro_per_call: int = 1  # device_iterations x gradient_accumulation
     replicas: int = 1
     replica: int = 0
+    replica_balance: str = "none"  # cost_model: like-cost micro-batches share a step
 
     def __post_init__(self) -> None:
         if (self.max_edges is None) != (self.cutoff is None):
@@ -154,12 +156,40 @@ class PackedDataset:
             local, lengths = assign_packs_flat(
                 self.plan, self.node_counts, self.edge_counts, self.seed, draw
             )
+            starts = np.cumsum(lengths) - lengths
+            if self.layout.replica_balance == "cost_model" and self.layout.replicas > 1:
+                starts, lengths = self._group_by_cost(local, starts, lengths, epoch)
             device = self.arrays.device
-            lengths = torch.from_numpy(lengths).to(device)
-            starts = lengths.cumsum(0) - lengths
-            self._packs = (torch.from_numpy(self.indices[local]).to(device), starts, lengths)
+            self._packs = (
+                torch.from_numpy(self.indices[local]).to(device),
+                torch.from_numpy(starts).to(device),
+                torch.from_numpy(lengths).to(device),
+            )
             self._packs_epoch = epoch
         return self._packs
+
+    def _group_by_cost(
+        self, local: np.ndarray, starts: np.ndarray, lengths: np.ndarray, epoch: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The packs (``starts``/``lengths`` [P] into ``local``) reordered so that the
+        micro-batches replicas run in one step have like predicted cost
+        (:func:`~schnet_ipu.packing.balance.loader_order`, the default cost model on real
+        atoms and edges); empty packs (length 0) fill idle slots. -> (starts, lengths) [P']."""
+        size, lay = self.layout.packs_per_batch, self.layout
+        packs = len(lengths)
+        micro = np.repeat(np.arange(packs), lengths) // size  # micro-batch of each molecule
+        count = -(-packs // size)
+        atoms = np.bincount(micro, weights=self.node_counts[local], minlength=count)
+        edges = np.zeros(count)
+        if self.edge_counts is not None:
+            edges = np.bincount(micro, weights=self.edge_counts[local], minlength=count)
+        order = loader_order(
+            DEFAULT_COST.predict(atoms, edges), lay.replicas, lay.micro_per_call, self.seed + epoch
+        )
+        pack = (order[:, None] * size + np.arange(size)).reshape(-1)
+        real = (np.repeat(order, size) >= 0) & (pack < packs)
+        pack = np.where(real, pack, 0)
+        return np.where(real, starts[pack], 0), np.where(real, lengths[pack], 0)
 
     def global_micro_batch(self, i: int) -> int:
         lay = self.layout

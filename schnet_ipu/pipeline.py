@@ -231,6 +231,7 @@ def make_loader(
         micro_per_call=micro,
         replicas=replicas,
         replica=replica,
+        replica_balance=cfg.packing.replica_balance if training else "none",
     )
     index = data.split[split]
     cutoff = cfg.model.cutoff if cfg.model.graph == "radius" else None

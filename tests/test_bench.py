@@ -159,3 +159,36 @@ def test_gpu_suite_runs_on_cpu(store: Path, tmp_path: Path) -> None:
     assert rows["ours bf16 eager"]["graph_recaptures"] == 0
     assert rows["ours bf16 eager"]["val_mae"] > 0
     assert loaded["ratios"]["ratio_vs_pyg"] > 0
+
+
+def test_dense(store: Path, tmp_path: Path) -> None:
+    from schnet_ipu.bench import dense
+
+    report = dense.run_dense(
+        store, sample=120, water_clusters=30, water_sizes=(1, 3), size=TINY, timing=ONE_STEP,
+        batch_molecules=8,
+    )  # fmt: skip
+    loaded = check_report(report, "dense", tmp_path, dense)
+    rows = loaded["results"]
+    assert {(r["dataset"], r["graph"], r["message_passing"]) for r in rows} == {
+        (d, g, m) for d in ("qm9", "water") for g in ("radius", "knn") for m in ("sparse", "dense")
+    }
+    assert all(0 < r["pair_efficiency"] <= 1 and r["molecules_per_s"] > 0 for r in rows)
+
+
+@pytest.mark.slow  # spawns two replica processes: about a minute on 2 cores
+def test_balance(store: Path, tmp_path: Path) -> None:
+    from schnet_ipu.bench import balance
+
+    report = balance.run_balance(
+        store, sample=150, water_clusters=40, water_sizes=(1, 3), batch=8, epochs=1, size=TINY
+    )
+    loaded = check_report(report, "balance", tmp_path, balance)
+    rows = loaded["results"]
+    assert {(r["dataset"], r["batching"], r["schedule"]) for r in rows} == {
+        (d, b, s) for d in ("qm9", "water") for b in ("dynamic", "packs")
+        for s in ("round_robin", "cost_model")
+    }  # fmt: skip
+    assert all(r["straggler"] >= 1 and r["epoch_s"] > 0 for r in rows)
+    packs = [r for r in rows if r["batching"] == "packs" and r["steps"] * 2 == r["batches"]]
+    assert all(r["predicted_straggler"] == pytest.approx(1.0) for r in packs)

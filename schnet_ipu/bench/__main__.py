@@ -5,7 +5,8 @@ and ``--set section.key=value`` (config overrides, repeatable).
 
 Suites: throughput, ablation, batching, loader, scaling, model (forward+backward against
 PyG's SchNet), replication (replicas x gradient reduction), gpu (full QM9 epochs against
-stock PyG on a GPU). Each prints a table and writes ``SUITE.json``, ``SUITE.md`` and
+stock PyG on a GPU), dense (dense vs sparse message passing), balance (cost-model grouping
+across replicas). Each prints a table and writes ``SUITE.json``, ``SUITE.md`` and
 ``SUITE.png`` in ``--out-dir``; the report records the command that made it.
 """
 
@@ -20,7 +21,18 @@ import sys
 from schnet_ipu.bench.common import QM9_STORE, write_report
 from schnet_ipu.errors import run_cli
 
-SUITES = ("throughput", "ablation", "batching", "loader", "scaling", "model", "replication", "gpu")
+SUITES = (
+    "throughput",
+    "ablation",
+    "batching",
+    "loader",
+    "scaling",
+    "model",
+    "replication",
+    "gpu",
+    "dense",
+    "balance",
+)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -12,6 +12,8 @@ state dict loads unchanged. What differs is how the work is laid out:
   uses 1-D ``index_add_``, ``ipu`` only ops PopTorch maps; see :mod:`schnet_ipu.model.ops`)
   or, on knn graphs whose receivers are sorted with k edges each, by a reshape and a sum;
 * k-nearest-neighbour graphs are searched on the device inside each pack;
+* ``message_passing="dense"`` swaps the edge list for one [M, M] block of pairs per pack
+  (:mod:`schnet_ipu.model.dense`): the same filters and masks, no gather or scatter;
 * padding atoms, edges and molecule slots are inert: they never reach a real molecule's
   prediction or its gradient.
 """
@@ -27,6 +29,7 @@ from torch.nn import Embedding, Linear, ModuleList, Sequential
 
 from schnet_ipu.batch import Batch
 from schnet_ipu.config import ModelConfig
+from schnet_ipu.model.dense import dense_conv, dense_graph
 from schnet_ipu.model.ops import IpuOps, TorchOps, get_ops, naive_shifted_softplus
 
 Ops = Union[TorchOps, IpuOps]
@@ -91,13 +94,17 @@ class CFConv(nn.Module):
         self.lin2.bias.data.fill_(0)
 
     def filter(self, rbf: Tensor, cut: Tensor) -> Tensor:
-        """rbf [E, G], cut [E] (cosine cutoff, 0 on masked edges) -> filter [E, F]."""
-        return self.nn(rbf) * cut.unsqueeze(1)
+        """rbf [E, G], cut [E] (cosine cutoff, 0 on masked edges) -> filter [E, F]; any
+        leading shape, e.g. [B, M, M] pair blocks."""
+        return self.nn(rbf) * cut.unsqueeze(-1)
 
     def forward(
-        self, x: Tensor, edge_index: Tensor, rbf: Tensor, cut: Tensor, knn: int | None
+        self, x: Tensor, edge_index: Tensor | None, rbf: Tensor, cut: Tensor, knn: int | None
     ) -> Tensor:
         """Convolve x [N, C_in] over edge_index [2, E] (row 0 source j, row 1 receiver i).
+
+        ``edge_index=None``: dense message passing, rbf [B, M, M, G] and cut [B, M, M] over
+        the pair blocks of the B packs (see :mod:`schnet_ipu.model.dense`).
 
         rbf [E', G] and cut [E'] describe E' = E edges, or E' = E / 2 unordered pairs when the
         graph is stored as forward pairs then the same pairs reversed (pair-symmetric filter).
@@ -107,6 +114,8 @@ class CFConv(nn.Module):
         """
         filt = self.filter(rbf, cut)  # [E', F]
         x = widen(self.lin1(x))  # messages and their sums in fp32 under bf16 autocast
+        if edge_index is None:
+            return self.lin2(dense_conv(x, filt))
         if filt.shape[0] < edge_index.shape[1]:  # both directions of a pair share its filter
             return self.lin2(self.ops.pair_symmetric_conv(x, edge_index, filt))
         msg = self.ops.gather(x, edge_index[0]) * filt  # [E, F]
@@ -149,7 +158,7 @@ class InteractionBlock(nn.Module):
         self.lin.bias.data.fill_(0)
 
     def forward(
-        self, h: Tensor, edge_index: Tensor, rbf: Tensor, cut: Tensor, knn: int | None
+        self, h: Tensor, edge_index: Tensor | None, rbf: Tensor, cut: Tensor, knn: int | None
     ) -> Tensor:
         """h [N, H] -> update [N, H]; the other arguments as for :meth:`CFConv.forward`."""
         return self.lin(self.act(self.conv(h, edge_index, rbf, cut, knn)))
@@ -172,7 +181,9 @@ class SchNet(nn.Module):
             E/2 edges) and reuse it for the reversed half. Exact. Ignored for knn graphs.
         stable_softplus: False swaps in the naive ``log(1 + exp(x)) - log 2`` (ablation).
         ops: the op flavour, ``"torch"`` (CPU, CUDA) or ``"ipu"`` (only ops PopTorch maps).
-        max_nodes_per_pack: atoms per pack M; needed for ``graph="knn"``.
+        max_nodes_per_pack: atoms per pack M; needed for ``graph="knn"`` and dense.
+        message_passing: ``"sparse"`` (edge lists) or ``"dense"`` ([M, M] pair blocks per
+            pack, found from the positions; the same model, see :mod:`.dense`).
         mean, std: the per-atom output is ``h * std + mean`` (target standardisation).
         atomref: optional per-element reference values [Z] or [Z, 1], added per atom; the first
             100 rows are used (missing rows are zero), as a trainable embedding like PyG's.
@@ -197,6 +208,7 @@ class SchNet(nn.Module):
         mean: float = 0.0,
         std: float = 1.0,
         atomref: Tensor | None = None,
+        message_passing: str = "sparse",
     ):
         super().__init__()
         if graph not in ("knn", "radius"):
@@ -205,6 +217,10 @@ class SchNet(nn.Module):
             raise ValueError(f"readout must be 'sum' or 'mean', got {readout!r}")
         if graph == "knn" and not max_nodes_per_pack:
             raise ValueError("graph='knn' searches neighbours per pack: pass max_nodes_per_pack")
+        if message_passing not in ("sparse", "dense"):
+            raise ValueError(f"message_passing must be 'sparse' or 'dense': {message_passing!r}")
+        if message_passing == "dense" and not max_nodes_per_pack:
+            raise ValueError("dense message passing works per pack: pass max_nodes_per_pack")
         self.hidden_channels = hidden_channels
         self.num_filters = num_filters
         self.num_interactions = num_interactions
@@ -215,6 +231,7 @@ class SchNet(nn.Module):
         self.readout = readout
         self.pair_symmetric = pair_symmetric
         self.max_nodes_per_pack = max_nodes_per_pack
+        self.message_passing = message_passing
         self.mean = mean
         self.std = std
         self.ops = get_ops(ops)
@@ -264,6 +281,7 @@ class SchNet(nn.Module):
             mean=mean,
             std=std,
             atomref=atomref,
+            message_passing=model_cfg.message_passing,
         )
 
     def reset_parameters(self) -> None:
@@ -308,17 +326,21 @@ class SchNet(nn.Module):
 
     def edge_features(self, dist: Tensor, edge_mask: Tensor) -> tuple[Tensor, Tensor]:
         """Gaussian expansion [E, G] and cosine cutoff [E] (zero on masked edges) of ``dist``
-        [E], shared by every interaction block."""
+        [E] (or any shape, e.g. dense [B, M, M]), shared by every interaction block."""
         cut = 0.5 * (torch.cos(dist * (math.pi / self.cutoff)) + 1.0)
         return self.distance_expansion(dist), torch.where(edge_mask, cut, 0.0)
 
     def forward(self, batch: Batch) -> Tensor:
         """Predictions [G] in target units for the G molecule slots of ``batch``."""
         num_nodes, num_graphs = batch.num_nodes, batch.num_graphs
-        pair_symmetric = self.graph == "radius" and self.pair_symmetric
-        edge_index, dist, edge_mask = self.interaction_graph(batch, forward_pairs=pair_symmetric)
-        rbf, cut = self.edge_features(dist, edge_mask)
         knn = self.k if self.graph == "knn" else None
+        if self.message_passing == "dense":
+            edge_index = None  # pair blocks [B, M, M] instead of edges
+            dist, edge_mask = dense_graph(batch, self.max_nodes_per_pack, self.cutoff, knn)
+        else:
+            pair_symmetric = self.graph == "radius" and self.pair_symmetric
+            edge_index, dist, edge_mask = self.interaction_graph(batch, pair_symmetric)
+        rbf, cut = self.edge_features(dist, edge_mask)
 
         h = self.embedding(batch.z)  # [N, H]
         for interaction in self.interactions:
@@ -342,7 +364,7 @@ class SchNet(nn.Module):
             f"num_filters={self.num_filters}, num_interactions={self.num_interactions}, "
             f"num_gaussians={self.num_gaussians}, cutoff={self.cutoff}, graph={self.graph!r}, "
             f"k={self.k}, readout={self.readout!r}, pair_symmetric={self.pair_symmetric}, "
-            f"ops={self.ops.name!r})"
+            f"ops={self.ops.name!r}, message_passing={self.message_passing!r})"
         )
 
 

@@ -1,0 +1,259 @@
+"""Cost-model grouping across replicas: 2 CPU replicas (gloo), round-robin vs cost model.
+
+Per data set and batching, the epoch's batches (every molecule once) are built the same way
+on every replica, and each replica trains SchNet on its share: forward+backward timed per
+step, then one gloo all-reduce of the merged gradients and an Adam step. Epochs alternate
+between the round-robin schedule and the cost-model schedule after one warm-up epoch and one
+calibration epoch (round-robin on batches of 8, 16 and 64 molecules, whose measured steps
+fit ``a*atoms + b*edges + c``).
+
+* ``dynamic``: the dynamic-batching baseline's batches (greedy fill to ``batch`` molecules
+  within an atom/edge budget), each run at its own shape (no padding): shapes differ.
+* ``packs``: tuple packing, fixed-shape batches of about ``batch`` molecules.
+
+Columns: ``straggler`` = mean over steps of (slowest replica's fwd+bwd / mean replica's);
+``predicted_straggler`` the same from the cost model (an idle slot in the epoch's last step
+counts as 0); ``epoch_s`` = wall time of an epoch (median over epochs); ``r2_fit`` = R^2 on
+the calibration steps, ``r2_predict`` = R^2 of the model's predictions of the measured steps
+of the timed epochs.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from schnet_ipu.backends import launch_replicas
+from schnet_ipu.backends.distributed import broadcast_parameters, merged_allreduce
+from schnet_ipu.batch import Batch
+from schnet_ipu.bench.common import QM9_STORE, new_report
+from schnet_ipu.config import ModelConfig
+from schnet_ipu.data import MoleculeStore, edge_counts, generate_water, make_split
+from schnet_ipu.loader import Layout, PackedDataset
+from schnet_ipu.model import SchNet, masked_mse
+from schnet_ipu.packing import assign_packs, plan_packing
+from schnet_ipu.packing.balance import (
+    balance_batches,
+    fit_cost_model,
+    r_squared,
+    round_robin,
+    step_costs,
+)
+from schnet_ipu.packing.baselines import run_baseline
+
+COLUMNS = ["dataset", "batching", "schedule", "straggler", "predicted_straggler", "epoch_s",
+           "steps", "r2_fit", "r2_predict", "per_atom_us", "per_edge_us",
+           "constant_ms"]  # fmt: skip
+PLOT = ("label", "straggler", "slowest / mean replica fwd+bwd per step")
+REPLICAS = 2
+
+
+def build_batches(
+    store: MoleculeStore, index: np.ndarray, batching: str, batch: int, cutoff: float
+) -> list[Batch]:
+    """One epoch of collated batches (every molecule of ``index`` once), seed 0."""
+    nodes = store.num_atoms[index]
+    edges = edge_counts(store, cutoff)[index]
+    targets = np.zeros(len(store))
+    any_plan = plan_packing(nodes, None, "pad_to_max")  # collate never reads it
+    if batching == "dynamic":
+        result = run_baseline("dynamic", nodes, edges, batch, seed=0)
+        groups = [([b], int(nodes[b].sum()), int(edges[b].sum()), len(b)) for b in result.batches]
+        layouts = [Layout(1, n, g + 1, max(e, 2), cutoff) for _, n, e, g in groups]
+        packs = [p for p, *_ in groups]
+    else:
+        plan = plan_packing(nodes, edges, "tuple")
+        all_packs = assign_packs(plan, nodes, edges, 0, 0)
+        per = max(1, round(batch * plan.num_packs / len(nodes)))
+        layout = Layout(per, plan.max_nodes, plan.max_graphs, plan.max_edges, cutoff)
+        packs = [all_packs[i : i + per] for i in range(0, len(all_packs), per)]
+        layouts = [layout] * len(packs)
+    return [
+        PackedDataset(store, index, targets, any_plan, layout, 0).collate([index[p] for p in group])
+        for group, layout in zip(packs, layouts)
+    ]
+
+
+def shape_counts(batches: list[Batch]) -> tuple[np.ndarray, np.ndarray]:
+    """Computed (padded) atoms [n] and directed edges [n] of each batch."""
+    atoms = np.array([b.num_nodes for b in batches])
+    edges = np.array([b.edge_index.shape[1] for b in batches])
+    return atoms, edges
+
+
+def run_epoch(model, optim, batches: list[Batch], schedule: np.ndarray, rank: int) -> dict:
+    """Train one epoch of ``schedule`` [steps, R]; this rank's fwd+bwd seconds per step."""
+    compute = np.zeros(len(schedule))
+    grads = [p.grad for p in model.parameters()]
+    dist.barrier()
+    start = time.perf_counter()
+    for step, row in enumerate(schedule):
+        tick = time.perf_counter()
+        optim.zero_grad(set_to_none=False)
+        if row[rank] >= 0:
+            b = batches[row[rank]]
+            masked_mse(model(b), b.y, b.graph_mask, 1.0).backward()
+        compute[step] = time.perf_counter() - tick
+        merged_allreduce(grads, dist.get_world_size())
+        optim.step()
+    return {"compute": compute, "wall": time.perf_counter() - start}
+
+
+def _replica(rank: int, jobs: list[dict], size: ModelConfig, epochs: int, out: str) -> None:
+    """Time every job's epochs on this rank; rank 0 writes the rows to ``out``."""
+    dist.init_process_group("gloo", rank=rank, world_size=REPLICAS)
+    try:
+        results = []
+        for job in jobs:
+            store = MoleculeStore(job["store"])
+            batches = build_batches(store, job["index"], job["batching"], job["batch"], size.cutoff)
+            atoms, edges = shape_counts(batches)
+            torch.manual_seed(0)
+            model = SchNet(
+                size.hidden_channels, size.num_filters, size.num_interactions,
+                size.num_gaussians, size.cutoff, graph="radius", max_nodes_per_pack=1,
+            )  # fmt: skip
+            broadcast_parameters(model)
+            for p in model.parameters():
+                p.grad = torch.zeros_like(p)
+            optim = torch.optim.Adam(model.parameters(), lr=1e-4)
+            rr = round_robin(len(batches), REPLICAS)
+            run_epoch(model, optim, batches, rr, rank)  # warm-up
+            cost = calibrate(model, optim, store, job["index"], size.cutoff, rank)
+            balanced = balance_batches(cost.predict(atoms, edges), REPLICAS, seed=0)
+            records = []
+            for _ in range(epochs):
+                records.append(("round_robin", rr, run_epoch(model, optim, batches, rr, rank)))
+                records.append(
+                    ("cost_model", balanced, run_epoch(model, optim, batches, balanced, rank))
+                )
+            results += summarise(job, records, cost, atoms, edges)
+        if rank == 0:
+            Path(out).write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()
+
+
+def calibrate(model, optim, store, index: np.ndarray, cutoff: float, rank: int):
+    """Fit the cost model on batches of 8, 16 and 64 molecules (dynamic batching, a third of
+    ``index`` each, own shapes): a wide spread of shapes, unlike one epoch's like-sized
+    batches. Both ranks' steps are used, so every rank fits the same model."""
+    thirds = np.array_split(index, 3)
+    batches = [
+        b for part, size in zip(thirds, (8, 16, 64)) for b in build_batches(
+            store, part, "dynamic", size, cutoff)
+    ]  # fmt: skip
+    atoms, edges = shape_counts(batches)
+    rr = round_robin(len(batches), REPLICAS)
+    measured = gather(run_epoch(model, optim, batches, rr, rank)["compute"])  # [steps, R]
+    real = rr >= 0
+    return fit_cost_model(atoms[rr[real]], edges[rr[real]], measured[real])
+
+
+def gather(compute: np.ndarray) -> np.ndarray:
+    """Every rank's per-step seconds [steps] -> [steps, R] (same on every rank)."""
+    parts = [torch.zeros(len(compute), dtype=torch.float64) for _ in range(REPLICAS)]
+    dist.all_gather(parts, torch.as_tensor(compute, dtype=torch.float64))
+    return torch.stack(parts, dim=1).numpy()
+
+
+def summarise(job: dict, records: list, cost, atoms: np.ndarray, edges: np.ndarray) -> list:
+    """Rows for round-robin and cost-model epochs (medians over epochs)."""
+    predicted = cost.predict(atoms, edges)
+    rows = []
+    for schedule_name in ("round_robin", "cost_model"):
+        stragglers, walls, measured_all, predicted_all = [], [], [], []
+        for name, schedule, result in records:
+            if name != schedule_name:
+                continue
+            measured = gather(result["compute"])  # [steps, R]
+            stragglers.append(float((measured.max(1) / measured.mean(1)).mean()))
+            walls.append(result["wall"])
+            real = schedule >= 0
+            measured_all.append(measured[real])
+            costs = step_costs(schedule, predicted)
+            predicted_all.append(costs[real])
+        rows.append(
+            {
+                "label": f"{job['dataset']}/{job['batching']}/{schedule_name}",
+                "dataset": job["dataset"],
+                "batching": job["batching"],
+                "schedule": schedule_name,
+                "straggler": statistics.median(stragglers),
+                "predicted_straggler": float((costs.max(1) / costs.mean(1)).mean()),
+                "epoch_s": statistics.median(walls),
+                "steps": len(schedule),
+                "batches": len(atoms),
+                "r2_fit": cost.r2,
+                "r2_predict": r_squared(
+                    np.concatenate(predicted_all), np.concatenate(measured_all)
+                ),
+                "per_atom_us": 1e6 * cost.per_atom,
+                "per_edge_us": 1e6 * cost.per_edge,
+                "constant_ms": 1e3 * cost.constant,
+                "epochs": len(walls),
+            }
+        )
+    return rows
+
+
+def run_balance(
+    store: str | Path = QM9_STORE,
+    sample: int = 4000,
+    water_clusters: int = 600,
+    water_sizes: tuple[int, int] = (3, 30),
+    batch: int = 32,
+    epochs: int = 3,
+    size: ModelConfig | None = None,
+) -> dict:
+    """QM9 (a fixed random sample) and synthetic water, dynamic batches and packs."""
+    size = size or ModelConfig()
+    qm9 = MoleculeStore(store)
+    qm9_index = make_split(len(qm9), 0, 0, seed=0, subset=min(sample, len(qm9)))["train"]
+    with tempfile.TemporaryDirectory() as tmp:
+        water_path = generate_water(Path(tmp) / "water.h5", water_clusters, water_sizes)
+        jobs = [
+            {"dataset": name, "store": str(path), "index": index, "batching": batching,
+             "batch": batch}
+            for name, path, index in (
+                ("qm9", store, qm9_index), ("water", water_path, np.arange(water_clusters))
+            )
+            for batching in ("dynamic", "packs")
+        ]  # fmt: skip
+        out = Path(tmp) / "rows.json"
+        launch_replicas(_replica, REPLICAS, jobs, size, epochs, str(out))
+        results = json.loads(out.read_text())
+    ratios = {}
+    for job in jobs:
+        rows = {r["schedule"]: r for r in results if r["label"].startswith(
+            f"{job['dataset']}/{job['batching']}/")}  # fmt: skip
+        key = f"{job['dataset']}_{job['batching']}"
+        ratios[f"{key}_epoch_speedup"] = (
+            rows["round_robin"]["epoch_s"] / rows["cost_model"]["epoch_s"]
+        )
+    notes = [
+        f"{REPLICAS} CPU replicas (processes, 1 thread each, gloo all-reduce of merged "
+        f"gradients per step), SchNet {size.hidden_channels} features x "
+        f"{size.num_interactions} interactions, radius graph (cutoff {size.cutoff}), about "
+        f"{batch} molecules per batch; QM9: {len(qm9_index)} molecules; water: "
+        f"{water_clusters} synthetic clusters of {water_sizes[0]}-{water_sizes[1]} waters.",
+        f"After a warm-up and a calibration epoch, {epochs} round-robin and {epochs} "
+        "cost-model epochs alternate; medians over epochs.",
+        "The cost model is fitted on the calibration steps of both replicas (batches of 8, 16 "
+        "and 64 molecules; computed atoms and edges of each batch); r2_predict scores it on "
+        "the timed epochs of that schedule.",
+    ]
+    return new_report("balance", results, ratios, notes)
+
+
+def run(quick: bool, store: str | Path) -> dict:
+    if quick:
+        return run_balance(store, sample=800, water_clusters=300, water_sizes=(3, 20), epochs=2)
+    return run_balance(store)
