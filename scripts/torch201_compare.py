@@ -52,7 +52,7 @@ def packed_batch(graph: str) -> Batch:
     """Two packs of real QM9 molecules (torch 2.13 side only: uses the packing library)."""
     import numpy as np
 
-    from schnet_ipu.model.benchmark import load_molecules, molecules_to_batch, pair_array
+    from schnet_ipu.bench.model import load_molecules, molecules_to_batch, pair_array
 
     molecules = load_molecules(STORE, 12, seed=0)
     packs = [list(range(0, 6)), list(range(6, 12))]

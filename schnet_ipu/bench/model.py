@@ -1,6 +1,6 @@
 """Forward+backward speed of our SchNet against PyG's stock SchNet on identical molecules.
 
-    python -m schnet_ipu.model.benchmark [--molecules 512] [--repeats 5] [--store data/qm9.h5]
+    python -m schnet_ipu.bench.model [--molecules 512] [--repeats 5] [--store data/qm9.h5]
 
 Both models get the same weights, the same molecules and the same interaction graph. PyG's
 default radius graph needs torch-cluster, which is not installed, so PyG is given an

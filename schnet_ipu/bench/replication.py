@@ -2,7 +2,7 @@
 gloo all-reduce per parameter, one merged gloo all-reduce, or the merged buffer summed
 through shared memory (same-host CPU replicas, the default).
 
-    python -m schnet_ipu.backends.benchmark [--replicas 1 2 4] [--steps 10] [--packs 8]
+    python -m schnet_ipu.bench.replication [--replicas 1 2 4] [--steps 10] [--packs 8]
 
 Each replica trains the paper-size SchNet (100 features, 100 filters, 4 interactions,
 25 Gaussians, knn k=24) on its own fixed-shape batch of ``packs`` packs of ``max_nodes`` atoms

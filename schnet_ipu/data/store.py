@@ -93,8 +93,8 @@ def write_store(
     symbols ("C"). ``targets[name]`` is [M]; ``units[name]`` its unit. ``ids`` [M] default to
     0..M-1. ``forces`` (optional) are per-atom like ``pos`` ([A, 3], or per-molecule
     [n_i, 3]) in ``forces_unit``. ``origin`` names the source files in error messages.
-    Nothing is written when any check fails; with ``skip_invalid`` the bad records are dropped instead, listed in a
-    warning and in the ``skipped_records`` attribute (their ids).
+    Nothing is written when any check fails; with ``skip_invalid`` the bad records are
+    dropped instead, listed in a warning and in the ``skipped_records`` attribute (their ids).
     """
     path = Path(path)
     where = f"{origin or path}"
