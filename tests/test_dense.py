@@ -112,3 +112,20 @@ def test_from_config_reads_message_passing():
     assert model.message_passing == "dense"
     with pytest.raises(ValueError, match="max_nodes_per_pack"):
         SchNet(graph="radius", message_passing="dense")
+
+
+def test_dense_runs_in_the_ipu_flavour():
+    """The dense layout uses only ops the ipu flavour allows: it gives the torch flavour's
+    outputs and gradients."""
+    batch, max_nodes = padded_batch(random_molecules(8, seed=7), "knn")
+    results = []
+    for ops in ("torch", "ipu"):
+        torch.manual_seed(0)
+        model = SchNet(
+            hidden_channels=8, num_filters=8, num_interactions=1, num_gaussians=6, k=5,
+            max_nodes_per_pack=max_nodes, message_passing="dense", ops=ops,
+        ).double()  # fmt: skip
+        results.append(run(model, batch))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=0, atol=1e-10)
+    for name, grad in results[0][1].items():
+        torch.testing.assert_close(results[1][1][name], grad, rtol=0, atol=1e-10, msg=name)

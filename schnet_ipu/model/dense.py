@@ -47,7 +47,8 @@ def dense_graph(
     sq = sq + (y.unsqueeze(2) - y.unsqueeze(1)).square()
     sq = sq + (z.unsqueeze(2) - z.unsqueeze(1)).square()  # [B, M, M]
     with torch.no_grad():
-        eye = torch.eye(nodes_per_pack, dtype=torch.bool, device=pos.device)
+        local = torch.arange(nodes_per_pack, device=pos.device)
+        eye = local.unsqueeze(1) == local.unsqueeze(0)  # a comparison, not torch.eye (PopTorch)
         mask = (graph.unsqueeze(2) == graph.unsqueeze(1)) & real.unsqueeze(2) & real.unsqueeze(1)
         mask = mask & ~eye & (sq <= cutoff * cutoff)
         if k is not None and k < nodes_per_pack - 1:
