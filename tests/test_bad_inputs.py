@@ -416,3 +416,14 @@ def test_commands_print_one_line(capsys, monkeypatch, tmp_path, command):
     assert exit_.value.code == 2
     one_error_line(capsys.readouterr().err, str(bad))
     assert list(tmp_path.iterdir()) == [bad]
+
+
+def test_fresh_keeps_the_old_run_when_the_data_is_bad(capsys, tmp_path, trained):
+    """--fresh discards the old run only once the new run's data has been checked."""
+    _, good_run = trained
+    run_dir = copy_run(good_run, tmp_path / "run")
+    broken = tmp_path / "broken.h5"
+    broken.write_bytes(b"not hdf5")
+    argv = ["--fresh", *config(broken, run_dir)]
+    refused(capsys, tmp_path, lambda: train_cli.main(argv), str(broken))
+    assert (run_dir / "checkpoints/last.pt").exists()
