@@ -35,7 +35,6 @@ from schnet_ipu.backends.distributed import (
     from_rank0,
     init_replica,
     launch_replicas,
-    popdist_instance,
     prepare_once,
     processes_for,
     replicas_in_call,
@@ -75,22 +74,20 @@ class Metrics:
 
 
 def train(cfg: Config, fresh: bool = False) -> dict:
-    """Train as configured (spawning replicas when asked) and return the final record."""
+    """Train as configured (spawning replicas when asked) and return the final record.
+    ``fresh`` discards an existing run directory, once the data has been checked."""
     run_dir = Path(cfg.logging.run_dir)
-    instance = popdist_instance()  # under PopRun every instance runs this: the first cleans
-    if fresh and run_dir.exists() and (instance is None or instance.is_main):
-        shutil.rmtree(run_dir)
     device = select_device(cfg.backend.device)
-    launch_replicas(_run_replica, processes_for(cfg.backend, device), cfg)
+    launch_replicas(_run_replica, processes_for(cfg.backend, device), cfg, fresh)
     finals = read_records(run_dir / "metrics.jsonl", "final")
     return finals[-1] if finals else {}
 
 
-def _run_replica(rank: int, cfg: Config) -> None:
-    run(cfg)
+def _run_replica(rank: int, cfg: Config, fresh: bool) -> None:
+    run(cfg, fresh)
 
 
-def run(cfg: Config) -> None:
+def run(cfg: Config, fresh: bool = False) -> None:
     """One replica's whole run. Rank 0 logs; every rank steps."""
     wall_start = time.perf_counter()
     device = select_device(cfg.backend.device)
@@ -98,7 +95,7 @@ def run(cfg: Config) -> None:
     main = replica.is_main
     run_dir = Path(cfg.logging.run_dir)
     last_path, best_path = run_dir / "checkpoints/last.pt", run_dir / "checkpoints/best.pt"
-    resume = load_checkpoint(last_path) if main and last_path.exists() else None
+    resume = load_checkpoint(last_path) if main and last_path.exists() and not fresh else None
     resume = from_rank0(resume, replica)  # instances on other hosts may not see the run dir
     if resume is not None:
         check_same_run(resume["config"], cfg.to_dict(), run_dir)
@@ -131,6 +128,8 @@ def run(cfg: Config) -> None:
         backend.after_host_weight_load()
         log.info("resuming %s at epoch %d, host call %d", run_dir, start_epoch, start_call)
     if main:  # bad data or a bad checkpoint stopped the run above, before any write here
+        if fresh and run_dir.exists():
+            shutil.rmtree(run_dir)
         if resume is None:  # records of a run that crashed before its first checkpoint
             (run_dir / "metrics.jsonl").unlink(missing_ok=True)
         else:  # records after the checkpoint will be written again; a torn line goes

@@ -35,6 +35,15 @@ def load_train_module():
 train_cli = load_train_module()
 
 
+@pytest.fixture(autouse=True, scope="module")
+def restore_threads():
+    """The runs here set backend.threads=1 (a tiny model steps ~4x faster on one thread of
+    a busy machine); put torch's thread count back for the other test modules."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 def molecules(rng: np.random.Generator, count: int) -> tuple[list, list, np.ndarray]:
     """``count`` small molecules (3-7 atoms of H, C, N, O, about 1.2 A apart) and a target
     that depends on their composition."""
@@ -66,6 +75,7 @@ def config(store: Path, run_dir: Path, *extra: str) -> list[str]:
         "optim.epochs=2",
         "optim.schedule=constant",
         "loader.workers=0",
+        "backend.threads=1",
         "logging.progress=false",
         "logging.plot=false",
         "logging.log_every=2",
@@ -416,3 +426,14 @@ def test_commands_print_one_line(capsys, monkeypatch, tmp_path, command):
     assert exit_.value.code == 2
     one_error_line(capsys.readouterr().err, str(bad))
     assert list(tmp_path.iterdir()) == [bad]
+
+
+def test_fresh_keeps_the_old_run_when_the_data_is_bad(capsys, tmp_path, trained):
+    """--fresh discards the old run only once the new run's data has been checked."""
+    _, good_run = trained
+    run_dir = copy_run(good_run, tmp_path / "run")
+    broken = tmp_path / "broken.h5"
+    broken.write_bytes(b"not hdf5")
+    argv = ["--fresh", *config(broken, run_dir)]
+    refused(capsys, tmp_path, lambda: train_cli.main(argv), str(broken))
+    assert (run_dir / "checkpoints/last.pt").exists()

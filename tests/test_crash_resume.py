@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from schnet_ipu import training
 from schnet_ipu.config import load_config
@@ -20,6 +21,15 @@ EPOCHS = 2
 
 class Crash(BaseException):
     """A simulated kill: nothing in the program catches it."""
+
+
+@pytest.fixture(autouse=True, scope="module")
+def restore_threads():
+    """The runs here set backend.threads=1 (a tiny model steps ~4x faster on one thread of
+    a busy machine); put torch's thread count back for the other test modules."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +60,7 @@ def config(store: Path, run_dir: Path):
             f"optim.epochs={EPOCHS}",
             "optim.schedule=constant",
             "loader.workers=0",
+            "backend.threads=1",
             "logging.progress=false",
             "logging.plot=false",
             "logging.log_every=3",
