@@ -4,6 +4,8 @@ python -m schnet_ipu.data import qm9 --out data/qm9.h5 [--limit N]
 python -m schnet_ipu.data import qm9-raw --raw-dir D --out data/qm9.h5
 python -m schnet_ipu.data import hydronet --raw-dir D --subset small --out data/hydronet.h5
 python -m schnet_ipu.data import water --clusters N --sizes 3 30 --seed 0 --out data/water.h5
+python -m schnet_ipu.data import water --clusters 4464740 --templates 16 --distribution hydronet \
+    --out data/water_4m5.h5
 python -m schnet_ipu.data stats data/qm9.h5 --cutoff 6 [--png PATH]
 """
 
@@ -22,10 +24,12 @@ from . import (
     StoreError,
     edge_counts,
     generate_water,
+    generate_water_sampled,
     import_hydronet,
     import_qm9,
     import_qm9_raw,
 )
+from .water_sampled import hydronet_weights
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,6 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     imp.add_argument("--clusters", type=int, default=2000, help="water: number of clusters")
     imp.add_argument("--sizes", type=int, nargs=2, default=(3, 30), metavar=("MIN", "MAX"))
     imp.add_argument("--seed", type=int, default=0)
+    imp.add_argument(
+        "--templates", type=int, default=0, help="water: sample around N relaxed per size"
+    )
+    imp.add_argument("--distribution", default="uniform", choices=("uniform", "hydronet"))
     stats = commands.add_parser("stats", help="node and edge histograms of a store")
     stats.add_argument("store", type=Path)
     stats.add_argument("--cutoff", type=float, default=6.0)
@@ -67,8 +75,17 @@ def run_import(args: argparse.Namespace) -> None:
         import_qm9_raw(args.raw_dir, args.out)
     elif args.source == "hydronet":
         import_hydronet(args.raw_dir, args.out, args.subset, seed=args.seed)
+    elif args.templates:
+        generate_water_sampled(
+            args.out, args.clusters, args.sizes, args.seed, args.templates, args.distribution
+        )
     else:
-        generate_water(args.out, args.clusters, args.sizes, seed=args.seed)
+        weights = None
+        if args.distribution == "hydronet":
+            weights = [
+                hydronet_weights().get(w, 0.0) for w in range(args.sizes[0], args.sizes[1] + 1)
+            ]
+        generate_water(args.out, args.clusters, args.sizes, seed=args.seed, weights=weights)
     store = MoleculeStore(args.out)
     print(
         f"{args.out}: {len(store)} molecules, {int(store.num_atoms.sum())} atoms, "
