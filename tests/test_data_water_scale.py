@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 
+from schnet_ipu.baseline import element_counts
 from schnet_ipu.data import MoleculeStore, StoreError, import_hydronet, water_sampled
 from schnet_ipu.data.water_sampled import generate_water_sampled, size_counts
 from schnet_ipu.data.writer import StoreWriter, partial_path
@@ -155,3 +156,14 @@ def test_hydronet_large_streams_and_names_a_truncated_file(tmp_path):
     with pytest.raises(StoreError, match=r"W17_geoms_all\.npz"):
         import_hydronet(raw, tmp_path / "again.h5", "large", progress=False)
     assert not (tmp_path / "again.h5").exists()
+
+
+def test_element_counts_match_per_molecule_bincount():
+    rng = np.random.default_rng(3)
+    sizes = rng.integers(0, 6, size=40)  # includes empty molecules
+    offsets = np.concatenate([[0], np.cumsum(sizes)])
+    z = rng.choice(np.array([1, 6, 8, 118], dtype=np.uint8), size=offsets[-1])
+    counts = element_counts(z, offsets)
+    for m in range(len(sizes)):
+        expected = np.bincount(z[offsets[m] : offsets[m + 1]], minlength=119)
+        np.testing.assert_array_equal(counts[m], expected)
