@@ -20,10 +20,16 @@ def element_counts(z: np.ndarray, offsets: np.ndarray) -> np.ndarray:
         offsets: int64 [M + 1] start of each molecule in ``z``.
     Returns:
         uint16 [M, 119] counts (compact: 31 MB for all of QM9).
+
+    One pass per element present, summing a boolean mask [A] over each molecule's range:
+    no per-atom index arrays (4.5M water clusters have 290M atoms).
     """
-    molecule = np.repeat(np.arange(len(offsets) - 1), np.diff(offsets))
-    counts = np.zeros((len(offsets) - 1, NUM_ELEMENTS), dtype=np.uint16)
-    np.add.at(counts, (molecule, z.astype(np.int64)), 1)
+    starts = np.asarray(offsets[:-1], dtype=np.int64)
+    counts = np.zeros((len(starts), NUM_ELEMENTS), dtype=np.uint16)
+    filled = np.diff(offsets) > 0  # reduceat would give an empty molecule its next atom
+    for element in np.unique(z).tolist():
+        per_molecule = np.add.reduceat(z == element, starts[filled], dtype=np.int64)
+        counts[filled, element] = per_molecule
     return counts
 
 

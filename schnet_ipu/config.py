@@ -45,6 +45,8 @@ class DataConfig:
     hydronet_subset: str = "small"  # small (500k sample) | medium (W3-W25) | large (W3-W30)
     water_clusters: int = 2000  # synthetic water: number of clusters
     water_sizes: list[int] = field(default_factory=lambda: [3, 30])  # min, max waters
+    water_distribution: str = "uniform"  # sizes: uniform | hydronet (HydroNet's shares)
+    water_templates: int = 0  # 0: relax every cluster; N: sample around N relaxed per size
     target: str = "U0"  # target name in the store
     atomrefs: bool = True  # subtract per-element reference energies (atomization energy)
     subset: int = 0  # use only this many molecules (random, from the seed); 0 = all
@@ -148,6 +150,7 @@ class Config:
 CHOICES: dict[str, tuple[str, ...]] = {
     "data.source": ("qm9", "qm9-raw", "hydronet", "water"),
     "data.hydronet_subset": ("small", "medium", "large"),
+    "data.water_distribution": ("uniform", "hydronet"),
     "packing.algorithm": ("lpfhp", "tuple", "pad_to_max"),
     "packing.heuristic": ("product", "sum", "max", "min", "nodes", "edges"),
     "packing.replica_balance": ("none", "cost_model"),
@@ -183,6 +186,7 @@ POSITIVE = (
 NON_NEGATIVE = (
     "data.subset",
     "data.water_clusters",
+    "data.water_templates",
     "data.val",
     "data.test",
     "packing.max_nodes",

@@ -103,8 +103,7 @@ def prepare_data(cfg: Config) -> PreparedData:
         log.info("split: %s", ", ".join(f"{k} {len(v)}" for k, v in split.items()))
     with stage("targets", timings):
         targets = store.target(cfg.data.target).astype(np.float64)
-        z, _ = store.concatenated()
-        counts = element_counts(z, store.offsets)
+        counts = element_counts(store.atomic_numbers(), store.offsets)
         atomref = store.atomref(cfg.data.target)
         if cfg.data.atomrefs and atomref is not None:
             targets = targets - counts @ atomref

@@ -19,6 +19,7 @@ from .qm9 import import_qm9, import_qm9_raw
 from .splits import load_or_make_split, make_split
 from .store import MoleculeStore, StoreError, write_store
 from .water import generate_water
+from .water_sampled import generate_water_sampled, hydronet_weights
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +30,7 @@ __all__ = [
     "edge_counts",
     "ensure_store",
     "generate_water",
+    "generate_water_sampled",
     "import_hydronet",
     "import_qm9",
     "import_qm9_raw",
@@ -57,9 +59,22 @@ def ensure_store(data_cfg: DataConfig, progress: bool = True) -> Path:
     elif source == "qm9-raw":
         import_qm9_raw(data_cfg.raw_dir, path, progress=progress)
     elif source == "hydronet":
-        import_hydronet(data_cfg.raw_dir, path, data_cfg.hydronet_subset)
+        import_hydronet(data_cfg.raw_dir, path, data_cfg.hydronet_subset, progress=progress)
+    elif source == "water" and data_cfg.water_templates:
+        generate_water_sampled(
+            path,
+            data_cfg.water_clusters,
+            tuple(data_cfg.water_sizes),
+            templates=data_cfg.water_templates,
+            distribution=data_cfg.water_distribution,
+            progress=progress,
+        )
     elif source == "water":
-        generate_water(path, data_cfg.water_clusters, tuple(data_cfg.water_sizes), seed=0)
+        lo, hi = data_cfg.water_sizes
+        weights = None
+        if data_cfg.water_distribution == "hydronet":
+            weights = [hydronet_weights().get(w, 0.0) for w in range(lo, hi + 1)]
+        generate_water(path, data_cfg.water_clusters, (lo, hi), seed=0, weights=weights)
     else:
         raise StoreError(f"unknown data.source {source!r} (qm9, qm9-raw, hydronet, water)")
     log.info("imported %s into %s in %.1f s", source, path, time.perf_counter() - start)

@@ -4,6 +4,8 @@ python -m schnet_ipu.data import qm9 --out data/qm9.h5 [--limit N]
 python -m schnet_ipu.data import qm9-raw --raw-dir D --out data/qm9.h5
 python -m schnet_ipu.data import hydronet --raw-dir D --subset small --out data/hydronet.h5
 python -m schnet_ipu.data import water --clusters N --sizes 3 30 --seed 0 --out data/water.h5
+python -m schnet_ipu.data import water --clusters 4464740 --templates 16 --distribution hydronet \
+    --out data/water_4m5.h5
 python -m schnet_ipu.data stats data/qm9.h5 --cutoff 6 [--png PATH]
 """
 
@@ -24,10 +26,12 @@ from . import (
     StoreError,
     edge_counts,
     generate_water,
+    generate_water_sampled,
     import_hydronet,
     import_qm9,
     import_qm9_raw,
 )
+from .water_sampled import hydronet_weights
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,8 +49,13 @@ def main(argv: list[str] | None = None) -> int:
     imp.add_argument(
         "--skip-invalid",
         action="store_true",
-        help="drop and list records with unknown elements or non-finite values (else refuse)",
+        help="qm9, qm9-raw: drop and list records with unknown elements or non-finite values "
+        "(else refuse)",
     )
+    imp.add_argument(
+        "--templates", type=int, default=0, help="water: sample around N relaxed per size"
+    )
+    imp.add_argument("--distribution", default="uniform", choices=("uniform", "hydronet"))
     stats = commands.add_parser("stats", help="node and edge histograms of a store")
     stats.add_argument("store", type=Path)
     stats.add_argument("--cutoff", type=positive_float, default=6.0)
@@ -61,17 +70,29 @@ def main(argv: list[str] | None = None) -> int:
 def run_import(args: argparse.Namespace) -> None:
     if args.source in ("qm9-raw", "hydronet") and args.raw_dir is None:
         raise StoreError(f"import {args.source} needs --raw-dir")
+    if args.skip_invalid and args.source not in ("qm9", "qm9-raw"):
+        raise StoreError(
+            f"--skip-invalid applies to qm9 and qm9-raw imports; {args.source} streams its "
+            "records and refuses a bad one, naming it"
+        )
     start = time.perf_counter()
     if args.source == "qm9":
         import_qm9(args.out, limit=args.limit, skip_invalid=args.skip_invalid)
     elif args.source == "qm9-raw":
         import_qm9_raw(args.raw_dir, args.out, skip_invalid=args.skip_invalid)
     elif args.source == "hydronet":
-        import_hydronet(
-            args.raw_dir, args.out, args.subset, seed=args.seed, skip_invalid=args.skip_invalid
+        import_hydronet(args.raw_dir, args.out, args.subset, seed=args.seed)
+    elif args.templates:
+        generate_water_sampled(
+            args.out, args.clusters, args.sizes, args.seed, args.templates, args.distribution
         )
     else:
-        generate_water(args.out, args.clusters, args.sizes, seed=args.seed)
+        weights = None
+        if args.distribution == "hydronet":
+            weights = [
+                hydronet_weights().get(w, 0.0) for w in range(args.sizes[0], args.sizes[1] + 1)
+            ]
+        generate_water(args.out, args.clusters, args.sizes, seed=args.seed, weights=weights)
     store = MoleculeStore(args.out)
     print(
         f"{args.out}: {len(store)} molecules, {int(store.num_atoms.sum())} atoms, "

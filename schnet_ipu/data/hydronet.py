@@ -6,12 +6,17 @@ total energy in kcal/mol and ``num_graphs``. A record id is ``n * 10**8 + row in
 
 from __future__ import annotations
 
+import json
 import logging
+import sys
+import zipfile
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
-from .store import StoreError, write_store
+from .store import StoreError
+from .writer import StoreWriter
 
 log = logging.getLogger(__name__)
 
@@ -34,29 +39,28 @@ def import_hydronet(
     subset: str = "small",
     seed: int = 0,
     sample_size: int = SMALL_SIZE,
-    skip_invalid: bool = False,
+    progress: bool = True,
 ) -> Path:
     """Import a HydroNet subset ("large", "medium" or "small") into a store at ``out``.
 
     "small" draws ``sample_size`` clusters (seeded) from the medium ones; when fewer exist
-    it takes them all and logs a warning. Target ``energy`` in kcal/mol. ``skip_invalid``
-    drops (and lists) invalid records instead of refusing the import.
+    it takes them all and logs a warning. Target ``energy`` in kcal/mol. Streamed: one raw
+    file in memory at a time, written through a resumable :class:`StoreWriter`.
     """
     raw_dir = Path(raw_dir)
     if subset not in SUBSETS:
         raise StoreError(f"unknown HydroNet subset {subset!r}; choose {', '.join(SUBSETS)}")
     sizes = SUBSETS[subset]
-    missing = [
-        hydronet_file(raw_dir, n).name for n in sizes if not hydronet_file(raw_dir, n).is_file()
-    ]
+    files = [hydronet_file(raw_dir, n) for n in sizes]
+    missing = [f.name for f in files if not f.is_file()]
     if missing:
         raise StoreError(
             f"{raw_dir}: HydroNet subset {subset!r} needs W{sizes[0]}..W{sizes[-1]}"
             f"_geoms_all.npz; missing: {', '.join(missing)}"
         )
-    parts = [_read_file(hydronet_file(raw_dir, n), n) for n in sizes]
-    total = sum(len(p[2]) for p in parts)
-    chosen = None
+    lengths = [_num_clusters(f) for f in files]  # opens every file: truncation shows here
+    total = sum(lengths)
+    rows = [np.arange(g) for g in lengths]
     if subset == "small":
         if total <= sample_size:
             log.warning(
@@ -66,29 +70,20 @@ def import_hydronet(
             )
         else:
             chosen = np.sort(np.random.default_rng(seed).choice(total, sample_size, replace=False))
-    z_parts, pos_parts, y_parts, id_parts, count_parts = [], [], [], [], []
-    first = 0
-    for n, (z, pos, y) in zip(sizes, parts):
-        rows = np.arange(len(y))
-        if chosen is not None:
-            lo, hi = np.searchsorted(chosen, [first, first + len(y)])
-            rows = chosen[lo:hi] - first
-        first += len(y)
-        z_parts.append(z[rows].reshape(-1))
-        pos_parts.append(pos[rows].reshape(-1, 3))
-        y_parts.append(y[rows])
-        id_parts.append(n * ID_STRIDE + rows)
-        count_parts.append(np.full(len(rows), 3 * n, dtype=np.int64))
-    counts = np.concatenate(count_parts)
-    path = write_store(
+            starts = np.cumsum([0, *lengths[:-1]])
+            parts = np.split(chosen, np.searchsorted(chosen, starts[1:]))
+            rows = [part - start for part, start in zip(parts, starts, strict=True)]
+    num_atoms = np.concatenate(
+        [np.full(len(r), 3 * n, dtype=np.int64) for n, r in zip(sizes, rows, strict=True)]
+    )
+    stamp = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    key = json.dumps({"subset": subset, "seed": seed, "sample": sample_size, "files": stamp})
+    writer = StoreWriter(
         out,
-        np.concatenate(z_parts),
-        np.concatenate(pos_parts),
-        targets={"energy": np.concatenate(y_parts)},
+        num_atoms,
         units={"energy": "kcal/mol"},
+        key=key,
         descriptions={"energy": "total energy (TTM2.1-F)"},
-        offsets=np.concatenate([[0], np.cumsum(counts)]),
-        ids=np.concatenate(id_parts),
         attrs={
             "source": "hydronet",
             "source_version": "pyg-npz",
@@ -97,11 +92,41 @@ def import_hydronet(
             "seed": seed,
             "ids": "waters * 10**8 + row in W{waters}_geoms_all.npz",
         },
-        origin=str(raw_dir),
-        skip_invalid=skip_invalid,
     )
-    log.info("wrote %s: HydroNet %s, %d of %d clusters", path, subset, len(counts), total)
+    bar = tqdm(
+        total=len(num_atoms),
+        initial=writer.written,
+        desc=f"import HydroNet {subset}",
+        unit="cluster",
+        disable=not progress,
+        file=sys.stderr,
+    )
+    first = 0
+    try:
+        for n, path, take in zip(sizes, files, rows, strict=True):
+            if first + len(take) > writer.written and len(take):
+                bar.set_postfix_str(path.name)
+                z, pos, y = _read_file(path, n)
+                writer.append(z[take], pos[take], {"energy": y[take]}, n * ID_STRIDE + take)
+                bar.update(len(take))
+            first += len(take)
+    except BaseException:
+        writer.close()  # the partial file stays for resuming
+        raise
+    finally:
+        bar.close()
+    path = writer.finish()
+    log.info("wrote %s: HydroNet %s, %d of %d clusters", path, subset, len(num_atoms), total)
     return path
+
+
+def _num_clusters(path: Path) -> int:
+    """G, the clusters in one raw file (reads only its ``y``)."""
+    try:
+        with np.load(path) as npz:
+            return len(npz["y"])
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as err:
+        raise StoreError(f"{path}: unreadable HydroNet file (truncated? needs y): {err}") from err
 
 
 def _read_file(path: Path, waters: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -109,7 +134,7 @@ def _read_file(path: Path, waters: int) -> tuple[np.ndarray, np.ndarray, np.ndar
     try:
         with np.load(path) as npz:
             z, pos, y = npz["z"], npz["pos"], npz["y"]
-    except (OSError, ValueError, KeyError) as err:
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as err:
         raise StoreError(f"{path}: unreadable HydroNet file (needs z, pos, y): {err}") from err
     atoms = 3 * waters
     if z.ndim != 2 or z.shape[1] != atoms or pos.shape != (*z.shape, 3) or y.shape != z.shape[:1]:

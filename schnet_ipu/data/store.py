@@ -326,6 +326,11 @@ class MoleculeStore:
                         f"{attrs.get('schema_version')}, this code reads version "
                         f"{SCHEMA_VERSION}; re-import the data"
                     )
+                if attrs.get("complete", True) is False:
+                    raise StoreError(
+                        f"{self.path}: incomplete store (its writing was interrupted); "
+                        "rerun the import or generation to resume it"
+                    )
                 self.offsets = f["offsets"][:]
                 self.ids = f["ids"][:]
                 self._units = {n: str(_plain(d.attrs["unit"])) for n, d in f["targets"].items()}
@@ -438,6 +443,10 @@ class MoleculeStore:
         if not self.has_forces:
             raise StoreError(f"{self.path}: the store holds no forces; re-import them")
         return self._file()["forces"][:]
+
+    def atomic_numbers(self) -> np.ndarray:
+        """All atomic numbers at once, uint8 [A] (without reading the positions)."""
+        return self._file()["z"][:]
 
     def concatenated(self) -> tuple[np.ndarray, np.ndarray]:
         """All atoms at once: (z uint8 [A], pos float32 [A, 3]); split them with ``offsets``.
