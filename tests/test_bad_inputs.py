@@ -7,6 +7,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import runpy
 import sys
 from pathlib import Path
@@ -437,3 +438,12 @@ def test_fresh_keeps_the_old_run_when_the_data_is_bad(capsys, tmp_path, trained)
     argv = ["--fresh", *config(broken, run_dir)]
     refused(capsys, tmp_path, lambda: train_cli.main(argv), str(broken))
     assert (run_dir / "checkpoints/last.pt").exists()
+
+
+def test_oversized_molecule_is_named_by_store_index_and_record(capsys, tmp_path, store):
+    """Packing limits below a molecule: the error names it as the store knows it (index and
+    record id), not by its position in the split."""
+    run = lambda: train_cli.main(config(store, tmp_path / "run", "packing.max_nodes=4"))  # noqa: E731
+    line = refused(capsys, tmp_path, run, str(store), "packing.max_nodes=4")
+    index, record = (int(n) for n in re.search(r"molecule (\d+) \(record (\d+)\)", line).groups())
+    assert record == 1000 + index and MoleculeStore(store).num_atoms[index] > 4
