@@ -213,7 +213,7 @@ def _atomic_numbers(z: np.ndarray) -> np.ndarray:
 
 def invalid_records(
     z: np.ndarray,
-    pos: np.ndarray,
+    pos: np.ndarray | None,
     offsets: np.ndarray,
     targets: Mapping[str, np.ndarray] | None = None,
     labels: np.ndarray | None = None,
@@ -242,7 +242,8 @@ def invalid_records(
             np.flatnonzero((z < 1) | (z >= NUM_ELEMENTS)),
             lambda atom: _unknown_element(labels[atom]),
         )
-    if not np.isfinite(pos.sum(dtype=np.float64)):  # NaN or inf anywhere: a non-finite sum
+    # NaN or inf anywhere makes the sum non-finite: one pass when all is well
+    if pos is not None and not np.isfinite(pos.sum(dtype=np.float64)):
         note(
             np.flatnonzero(~np.isfinite(pos).all(axis=1)),
             lambda atom: "has non-finite (NaN/inf) coordinates",
@@ -443,28 +444,32 @@ class MoleculeStore:
         """All per-atom forces at once: float32 [A, 3] in ``forces_unit`` (split by offsets)."""
         if not self.has_forces:
             raise StoreError(f"{self.path}: the store holds no forces; re-import them")
-        return self._file()["forces"][:]
+        return self._read_all("forces")
 
     def atomic_numbers(self) -> np.ndarray:
-        """All atomic numbers at once, uint8 [A] (without reading the positions).
+        """All atomic numbers at once, uint8 [A] (without reading the positions). Checked as
+        read: an atomic number outside 1-118 raises naming its record."""
+        z = self._read_all("z")
+        self._refuse(invalid_records(z, None, self.offsets))
+        return z
 
-        Read in slices of READ_SLICE atoms: one HDF5 read over all 570k chunks of a 290M-atom
-        store holds ~3.5 GB of HDF5 bookkeeping at its peak, slices ~0.25 GB.
-        """
-        dataset = self._file()["z"]
+    def concatenated(self) -> tuple[np.ndarray, np.ndarray]:
+        """All atoms at once: (z uint8 [A], pos float32 [A, 3]); split them with ``offsets``.
+        Checked as read: a bad atomic number or coordinate raises naming its record."""
+        z, pos = self._read_all("z"), self._read_all("pos")
+        self._refuse(invalid_records(z, pos, self.offsets))
+        return z, pos
+
+    def _read_all(self, name: str) -> np.ndarray:
+        """A whole per-atom dataset, read in slices of READ_SLICE atoms: one HDF5 read over all
+        570k chunks of a 290M-atom store holds ~3.5 GB of HDF5 bookkeeping at its peak,
+        slices ~0.25 GB."""
+        dataset = self._file()[name]
         out = np.empty(dataset.shape, dtype=dataset.dtype)
         for start in range(0, len(out), READ_SLICE):
             part = np.s_[start : start + READ_SLICE]
             dataset.read_direct(out, part, part)
         return out
-
-    def concatenated(self) -> tuple[np.ndarray, np.ndarray]:
-        """All atoms at once: (z uint8 [A], pos float32 [A, 3]); split them with ``offsets``.
-        Checked as read: a bad atomic number or coordinate raises naming its record."""
-        f = self._file()
-        z, pos = f["z"][:], f["pos"][:]
-        self._refuse(invalid_records(z, pos, self.offsets))
-        return z, pos
 
     def _check_target(self, name: str) -> None:
         if name not in self._units:
