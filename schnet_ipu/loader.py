@@ -110,6 +110,7 @@ class PackedDataset(Dataset):
         self.shuffle = shuffle
         self._packs_epoch: int | None = None
         self._packs: list[np.ndarray] = []
+        self._all_forces: np.ndarray | None = None  # float32 [A, 3], read on first use
 
     # --- sizes -----------------------------------------------------------------------------
 
@@ -154,9 +155,18 @@ class PackedDataset(Dataset):
             members = []
             for index in pack.tolist():
                 z, pos = self._read(index)
-                members.append(PackMolecule(z, pos, float(self.targets[index]), index))
+                forces = self._forces(index)
+                members.append(PackMolecule(z, pos, float(self.targets[index]), index, forces))
             molecules.append(members)
         return collate(molecules, self.layout)
+
+    def _forces(self, index: int) -> np.ndarray | None:
+        """Forces [n, 3] of one molecule when the store holds forces (read once per process)."""
+        if not self.store.has_forces:
+            return None
+        if self._all_forces is None:
+            self._all_forces = self.store.forces()
+        return self._all_forces[self.store.offsets[index] : self.store.offsets[index + 1]]
 
     def _read(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         try:
@@ -174,6 +184,7 @@ class PackMolecule(NamedTuple):
     pos: np.ndarray  # [n, 3] float32 positions in Angstrom
     y: float  # target
     index: int  # index in the store (-1 allowed for molecules from elsewhere)
+    forces: np.ndarray | None = None  # [n, 3] float32 target forces, when known
 
 
 def collate(packs: Sequence[Sequence[PackMolecule]], layout: Layout) -> Batch:
@@ -191,6 +202,8 @@ def collate(packs: Sequence[Sequence[PackMolecule]], layout: Layout) -> Batch:
     y = np.zeros(g_total, dtype=np.float32)
     molecule_index = np.full(g_total, -1, dtype=np.int64)
     graph_mask = np.zeros(g_total, dtype=bool)
+    with_forces = any(m.forces is not None for pack in packs for m in pack)
+    forces = np.zeros((n_total, 3), dtype=np.float32) if with_forces else None
     if len(packs) > lay.packs_per_batch:
         raise LoaderError(f"{len(packs)} packs for a batch of {lay.packs_per_batch}")
     for p, pack in enumerate(packs):
@@ -208,6 +221,10 @@ def collate(packs: Sequence[Sequence[PackMolecule]], layout: Layout) -> Batch:
             y[g] = molecule.y
             molecule_index[g] = molecule.index
             graph_mask[g] = True
+            if forces is not None:
+                if molecule.forces is None:
+                    raise LoaderError(f"molecule {molecule.index} has no forces, others do")
+                forces[node : node + n] = molecule.forces
             node += n
 
     node_mask = graph < g_total
@@ -221,6 +238,7 @@ def collate(packs: Sequence[Sequence[PackMolecule]], layout: Layout) -> Batch:
         y=torch.from_numpy(y),
         graph_mask=torch.from_numpy(graph_mask),
         molecule_index=torch.from_numpy(molecule_index),
+        forces=None if forces is None else torch.from_numpy(forces),
     )
     if lay.max_edges is not None:
         filler = int(padding[0]) if len(padding) else 0

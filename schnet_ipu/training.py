@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from schnet_ipu.backends import make_backend, select_device
+from schnet_ipu.backends import TorchBackend, make_backend, select_device
 from schnet_ipu.backends.distributed import (
     ReplicaInfo,
     init_replica,
@@ -42,6 +42,7 @@ from schnet_ipu.checkpoint import (
     set_rng_state,
 )
 from schnet_ipu.config import Config, ConfigError, config_from_dict
+from schnet_ipu.forces import EnergyForceLoss, evaluate_forces, force_rms, trivial_baselines
 from schnet_ipu.loader import PackedLoader
 from schnet_ipu.model import SchNet, masked_mse
 from schnet_ipu.pipeline import PreparedData, make_loader, prepare_data
@@ -153,6 +154,7 @@ def run(cfg: Config) -> None:
         val = evaluate(backend, val_loader, data, "val", replica)
         if cfg.optim.schedule == "plateau":
             scheduler.step(val.mae)
+        val_forces = evaluate_forces(backend, val_loader, replica) if data.store.has_forces else {}
         improved = val.mae < best_mae
         best_mae = min(best_mae, val.mae)
         checkpoint(last_path, epoch + 1, 0)
@@ -172,6 +174,8 @@ def run(cfg: Config) -> None:
                 step_seconds=train_stats["step_seconds"],
                 epoch_seconds=train_stats["seconds"],
                 unit=data.unit,
+                **{f"val_{k}": v for k, v in val_forces.items()},
+                **_loss_progress(backend),
             )
             log.info(
                 "epoch %d: train loss %.4f, val MAE %.4f %s, %.0f molecules/s",
@@ -188,9 +192,18 @@ def run(cfg: Config) -> None:
     test_loader = make_loader(cfg, data, "test", replica.rank, replica.world_size)
     test = evaluate(backend, test_loader, data, "test", replica)
     baseline_mae = float(np.abs(data.baseline_errors("test")).mean())
+    test_forces = {}
+    if data.store.has_forces:
+        test_forces = {
+            f"test_{k}": v for k, v in evaluate_forces(backend, test_loader, replica).items()
+        }
+        test_forces.update(
+            trivial_baselines(data.store, data.targets, data.split["train"], data.split["test"])
+        )
     if runlog is not None:
         runlog.write(
             "final",
+            **test_forces,
             test_mae=test.mae,
             test_rmse=test.rmse,
             baseline_test_mae=baseline_mae,
@@ -240,6 +253,9 @@ def train_epoch(
         leave=False,
     )
     batches = iter(loader.epoch(epoch, first_call))
+    force_loss = getattr(backend, "loss_fn", None)
+    if isinstance(force_loss, EnergyForceLoss):
+        force_loss.reset()
     epoch_start = time.perf_counter()
     with ctrl_c_requests_stop(stop):
         while not stop.requested:
@@ -267,7 +283,9 @@ def train_epoch(
             rate = molecules / max(time.perf_counter() - epoch_start, 1e-9)
             bar.update(1)
             bar.set_postfix(
-                loss=f"{records[-1]['loss']:.4f}", mol_s=f"{rate * replica.world_size:.0f}"
+                loss=f"{records[-1]['loss']:.4f}",
+                mol_s=f"{rate * replica.world_size:.0f}",
+                **(force_loss.progress() if isinstance(force_loss, EnergyForceLoss) else {}),
             )
             if runlog is not None and calls % cfg.logging.log_every == 0:
                 runlog.write(
@@ -336,6 +354,11 @@ def make_trainer(
     model = build_model(cfg, data)
     optimizer = make_optimizer(cfg, model, device)
     loss_fn = functools.partial(standardised_loss, scale=data.residual_std)
+    if cfg.optim.forces_weight > 0:
+        if not data.store.has_forces:
+            raise ConfigError(f"optim.forces_weight > 0, but {data.store.path} holds no forces")
+        scale = force_rms(data.store, data.split["train"])
+        loss_fn = EnergyForceLoss(data.residual_std, scale, cfg.optim.forces_weight)
     backend = make_backend(
         cfg.backend,
         model,
@@ -347,7 +370,17 @@ def make_trainer(
         seed=cfg.seed,
         prefetch=cfg.loader.prefetch,
     )
+    if cfg.optim.forces_weight > 0 and not isinstance(backend, TorchBackend):
+        raise ConfigError("optim.forces_weight > 0 needs a cpu or cuda backend (no PopTorch)")
     return model, optimizer, backend
+
+
+def _loss_progress(backend) -> dict[str, float]:
+    """The force loss's training energy MAE per atom and force MAE of the epoch, if any."""
+    loss_fn = getattr(backend, "loss_fn", None)
+    if not isinstance(loss_fn, EnergyForceLoss):
+        return {}
+    return {f"train_{k}": v for k, v in loss_fn.metrics().items()}
 
 
 def build_model(cfg: Config, data: PreparedData) -> SchNet:

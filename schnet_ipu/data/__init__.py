@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from ..config import DataConfig
+from .ase_files import import_ase
 from .graphs import edge_counts, knn_edges, molecule_pairs, radius_edges
 from .hydronet import import_hydronet
 from .qm9 import import_qm9, import_qm9_raw
@@ -27,6 +28,7 @@ __all__ = [
     "edge_counts",
     "ensure_store",
     "generate_water",
+    "import_ase",
     "import_hydronet",
     "import_qm9",
     "import_qm9_raw",
@@ -55,9 +57,11 @@ def ensure_store(data_cfg: DataConfig, progress: bool = True) -> Path:
         import_qm9_raw(data_cfg.raw_dir, path, progress=progress)
     elif source == "hydronet":
         import_hydronet(data_cfg.raw_dir, path, data_cfg.hydronet_subset)
+    elif source == "ase":
+        import_ase(data_cfg.files, path, data_cfg.energy_key, data_cfg.forces_key, progress)
     elif source == "water":
         generate_water(path, data_cfg.water_clusters, tuple(data_cfg.water_sizes), seed=0)
     else:
-        raise StoreError(f"unknown data.source {source!r} (qm9, qm9-raw, hydronet, water)")
+        raise StoreError(f"unknown data.source {source!r} (qm9, qm9-raw, hydronet, water, ase)")
     log.info("imported %s into %s in %.1f s", source, path, time.perf_counter() - start)
     return path
