@@ -4,6 +4,7 @@
     python train.py --config configs/qm9.yaml --print-config optim.lr=5e-4
     python train.py evaluate --run runs/qm9_quickstart [--split test]
     python train.py predict --run runs/qm9_quickstart [--split test] [--out predictions.csv]
+    python train.py predict --run runs/emt_forces --input new.extxyz --out predicted.extxyz
 
 Re-running a training command in the same run directory resumes from its last checkpoint;
 --fresh discards that run instead.
@@ -36,9 +37,13 @@ def main(argv: list[str]) -> int:
         if args.print_config:
             print(cfg.to_yaml(), end="")
             return 0
+        from schnet_ipu.data import StoreError
         from schnet_ipu.training import train  # heavy imports only once the config is valid
 
-        final = train(cfg, fresh=args.fresh)
+        try:
+            final = train(cfg, fresh=args.fresh)
+        except StoreError as err:  # bad input data: one line, not a traceback
+            raise ConfigError(str(err)) from err
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -52,17 +57,27 @@ def run_command(command: str, argv: list[str]) -> int:
     parser.add_argument("--split", default="test", choices=("train", "val", "test"))
     if command == "predict":
         parser.add_argument("--out", type=Path, help="CSV path (default RUN/predictions_SPLIT.csv)")
+        parser.add_argument(
+            "--input", type=Path, help="ASE-readable structures: writes them as extxyz to --out"
+        )
     args = parser.parse_args(argv)
+    from schnet_ipu.data import StoreError
     from schnet_ipu.training import evaluate_run, predict_run
 
     try:
         if command == "evaluate":
             print(json.dumps(evaluate_run(args.run, args.split), indent=2))
+        elif args.input is not None:
+            from schnet_ipu.inference import predict_file
+
+            out = args.out or args.run / "predictions.extxyz"
+            frames = predict_file(args.run, args.input, out)
+            print(f"wrote {frames} structures with predicted energy and forces to {out}")
         else:
             out = args.out or args.run / f"predictions_{args.split}.csv"
             rows = predict_run(args.run, args.split, out)
             print(f"wrote {rows} predictions to {out}")
-    except ConfigError as err:
+    except (ConfigError, StoreError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -69,23 +69,34 @@ class Predictor:
                 [PackMolecule(structures[i][0], structures[i][1], 0.0, i) for i in pack]
                 for pack in packs
             ]
-            batch = collate(molecules, layout).to(self.device)
-            batch = dataclasses.replace(batch, pos=batch.pos.to(self.dtype))
+            placed = self._placement(packs, structures, layout)  # (structure, slot, first atom)
+            batch = collate(molecules, layout)
+            pos = batch.pos.to(self.dtype)  # the structures' own coordinates, not float32's
+            for i, _, node in placed:
+                pos[node : node + len(structures[i][0])] = torch.as_tensor(structures[i][1])
+            batch = dataclasses.replace(batch, pos=pos).to(self.device)
             self.model.max_nodes_per_pack = layout.max_nodes  # knn graphs search per pack
             energy, forces = energy_and_forces(self.model, batch, create_graph=False)
             energy = energy.detach().double().cpu().numpy()
             forces = forces.detach().double().cpu().numpy()
-            for p, pack in enumerate(packs):
-                node = p * layout.max_nodes
-                for slot, i in enumerate(pack):
-                    z = np.asarray(structures[i][0], dtype=np.int64)
-                    shift = float(self.atomref[z].sum())
-                    results[i] = (
-                        float(energy[p * layout.max_graphs + slot]) + shift,
-                        forces[node : node + len(z)],
-                    )
-                    node += len(z)
+            for i, slot, node in placed:
+                z = np.asarray(structures[i][0], dtype=np.int64)
+                shift = float(self.atomref[z].sum())
+                results[i] = (float(energy[slot]) + shift, forces[node : node + len(z)])
         return results
+
+    @staticmethod
+    def _placement(
+        packs: list[list[int]], structures: Sequence[Structure], layout: Layout
+    ) -> list[tuple[int, int, int]]:
+        """(structure index, molecule slot, first atom row) of each structure, as collated."""
+        placed = []
+        for p, pack in enumerate(packs):
+            node = p * layout.max_nodes
+            for slot, i in enumerate(pack):
+                placed.append((i, p * layout.max_graphs + slot, node))
+                node += len(structures[i][0])
+        return placed
 
     def _edges(self, structure: Structure) -> int:
         """Directed edges of one structure within the cutoff (0 for knn graphs)."""

@@ -42,10 +42,19 @@ from schnet_ipu.checkpoint import (
     set_rng_state,
 )
 from schnet_ipu.config import Config, ConfigError, config_from_dict
-from schnet_ipu.forces import EnergyForceLoss, evaluate_forces, force_rms, trivial_baselines
+from schnet_ipu.forces import (
+    EnergyForceLoss,
+    error_sums,
+    evaluate_forces,
+    force_predictions,
+    force_rms,
+    metrics_from_sums,
+    trivial_baselines,
+)
 from schnet_ipu.loader import PackedLoader
 from schnet_ipu.model import SchNet, masked_mse
 from schnet_ipu.pipeline import PreparedData, make_loader, prepare_data
+from schnet_ipu.plots import evaluation_plots
 from schnet_ipu.runlog import RunLog, plot_learning_curve, read_records, truncate_after
 
 log = logging.getLogger("schnet_ipu")
@@ -484,10 +493,11 @@ def load_run(run_dir: Path, checkpoint: str = "best") -> tuple[Config, PreparedD
 
 
 def evaluate_run(run_dir: Path, split: str = "test") -> dict:
+    """Errors of a run's best weights on a split, and its parity plot and error histogram."""
     cfg, data, backend = load_run(run_dir)
     metrics = evaluate(backend, make_loader(cfg, data, split), data, split, ReplicaInfo())
     baseline = float(np.abs(data.baseline_errors(split)).mean())
-    return {
+    result = {
         "split": split,
         "mae": metrics.mae,
         "rmse": metrics.rmse,
@@ -495,6 +505,26 @@ def evaluate_run(run_dir: Path, split: str = "test") -> dict:
         "baseline_mae": baseline,
         "unit": data.unit,
     }
+    loader = make_loader(cfg, data, split)
+    if data.store.has_forces:  # energies and forces in one pass; forces by autograd
+        parts = list(force_predictions(backend.model, loader, backend.device))
+        result.update(metrics_from_sums(error_sums(parts)))
+        result.update(
+            trivial_baselines(data.store, data.targets, data.split["train"], data.split[split])
+        )
+        energy = tuple(
+            np.concatenate([getattr(p, k) for p in parts]) for k in ("energy", "energy_true")
+        )
+        forces = tuple(
+            np.concatenate([getattr(p, k) for p in parts]) for k in ("forces", "forces_true")
+        )
+    else:
+        rows = list(predictions(backend, loader))
+        energy = tuple(np.concatenate([r[k] for r in rows]) for k in (1, 2))
+        forces = None
+    pictures = evaluation_plots(run_dir, split, energy, data.unit, forces, data.store.forces_unit)
+    result["pictures"] = [str(p) for p in pictures]
+    return result
 
 
 def predict_run(run_dir: Path, split: str, out: Path) -> int:
