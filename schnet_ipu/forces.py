@@ -24,12 +24,13 @@ from schnet_ipu.model import masked_mse
 
 
 def energy_and_forces(model: nn.Module, batch: Batch, create_graph: bool) -> tuple[Tensor, Tensor]:
-    """Energies [G] and forces [N, 3] = -dE/dpos (zero on padding atoms).
+    """Energies [G] and forces [N, 3] = -dE/dpos (zero on padding atoms); ``batch.pos`` is
+    used as it is when it already requires grad (then forces are differentiable in it).
 
     ``create_graph=True`` keeps the graph of the forces so that a loss on them can be
     differentiated with respect to the parameters (training); False for evaluation.
     """
-    pos = batch.pos.detach().requires_grad_(True)
+    pos = batch.pos if batch.pos.requires_grad else batch.pos.detach().requires_grad_(True)
     with torch.enable_grad():
         energy = model(dataclasses.replace(batch, pos=pos))
         (grad,) = torch.autograd.grad(energy.sum(), pos, create_graph=create_graph)
