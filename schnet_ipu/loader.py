@@ -158,7 +158,7 @@ class PackedDataset(Dataset):
                 forces = self._forces(index)
                 members.append(PackMolecule(z, pos, float(self.targets[index]), index, forces))
             molecules.append(members)
-        return collate(molecules, self.layout)
+        return collate(molecules, self.layout, with_forces=self.store.has_forces)
 
     def _forces(self, index: int) -> np.ndarray | None:
         """Forces [n, 3] of one molecule when the store holds forces (read once per process)."""
@@ -187,11 +187,15 @@ class PackMolecule(NamedTuple):
     forces: np.ndarray | None = None  # [n, 3] float32 target forces, when known
 
 
-def collate(packs: Sequence[Sequence[PackMolecule]], layout: Layout) -> Batch:
+def collate(
+    packs: Sequence[Sequence[PackMolecule]], layout: Layout, with_forces: bool | None = None
+) -> Batch:
     """Packs of molecules -> one Batch with the shapes of ``layout`` (see schnet_ipu.batch).
 
     Fewer packs than ``layout.packs_per_batch`` leave the rest empty (all padding). Raises
     LoaderError when a pack holds more atoms, molecules or edges than the layout allows.
+    ``with_forces``: give the batch target forces (zeros on padding); None: when any
+    molecule has them. Say so for batches that may hold no molecule (an epoch's tail).
     """
     lay = layout
     n_total = lay.packs_per_batch * lay.max_nodes
@@ -202,7 +206,8 @@ def collate(packs: Sequence[Sequence[PackMolecule]], layout: Layout) -> Batch:
     y = np.zeros(g_total, dtype=np.float32)
     molecule_index = np.full(g_total, -1, dtype=np.int64)
     graph_mask = np.zeros(g_total, dtype=bool)
-    with_forces = any(m.forces is not None for pack in packs for m in pack)
+    if with_forces is None:
+        with_forces = any(m.forces is not None for pack in packs for m in pack)
     forces = np.zeros((n_total, 3), dtype=np.float32) if with_forces else None
     if len(packs) > lay.packs_per_batch:
         raise LoaderError(f"{len(packs)} packs for a batch of {lay.packs_per_batch}")

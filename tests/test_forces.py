@@ -149,6 +149,8 @@ def test_padding_is_inert_for_forces():
     energy, forces = energy_and_forces(model, batch, create_graph=False)
     assert torch.all(forces[~batch.node_mask] == 0)
     assert torch.all(batch.forces[~batch.node_mask] == 0)
+    empty = collate([], layout, with_forces=True)  # an epoch's all-padding tail batch
+    assert empty.forces is not None and torch.all(empty.forces == 0)
     # the first frame alone gives the same energy and forces as in company
     alone = collate([[PackMolecule(frames[0].numbers, frames[0].positions, 0.0, 0)]], layout)
     alone.pos = alone.pos.double()
