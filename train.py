@@ -56,7 +56,12 @@ def run_command(command: str, argv: list[str]) -> int:
     parser.add_argument("--run", type=Path, required=True, help="run directory")
     parser.add_argument("--split", default="test", choices=("train", "val", "test"))
     if command == "predict":
-        parser.add_argument("--out", type=Path, help="CSV path (default RUN/predictions_SPLIT.csv)")
+        parser.add_argument(
+            "--out",
+            type=Path,
+            help="CSV path (default RUN/predictions_SPLIT.csv); with --input an extxyz path "
+            "(default RUN/predictions.extxyz)",
+        )
         parser.add_argument(
             "--input", type=Path, help="ASE-readable structures: writes them as extxyz to --out"
         )
