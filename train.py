@@ -4,6 +4,7 @@
     python train.py --config configs/qm9.yaml --print-config optim.lr=5e-4
     python train.py evaluate --run runs/qm9_quickstart [--split test]
     python train.py predict --run runs/qm9_quickstart [--split test] [--out predictions.csv]
+    python train.py predict --run runs/emt_forces --input new.extxyz --out predicted.extxyz
 
 Re-running a training command in the same run directory resumes from its last checkpoint;
 --fresh discards that run instead.
@@ -53,12 +54,26 @@ def run_command(command: str, argv: list[str]) -> int:
     parser.add_argument("--run", type=Path, required=True, help="run directory")
     parser.add_argument("--split", default="test", choices=("train", "val", "test"))
     if command == "predict":
-        parser.add_argument("--out", type=Path, help="CSV path (default RUN/predictions_SPLIT.csv)")
+        parser.add_argument(
+            "--out",
+            type=Path,
+            help="CSV path (default RUN/predictions_SPLIT.csv); with --input an extxyz path "
+            "(default RUN/predictions.extxyz)",
+        )
+        parser.add_argument(
+            "--input", type=Path, help="ASE-readable structures: writes them as extxyz to --out"
+        )
     args = parser.parse_args(argv)
     from schnet_ipu.training import evaluate_run, predict_run
 
     if command == "evaluate":
         print(json.dumps(evaluate_run(args.run, args.split), indent=2))
+    elif args.input is not None:
+        from schnet_ipu.inference import predict_file
+
+        out = args.out or args.run / "predictions.extxyz"
+        frames = predict_file(args.run, args.input, out)
+        print(f"wrote {frames} structures with predicted energy and forces to {out}")
     else:
         out = args.out or args.run / f"predictions_{args.split}.csv"
         rows = predict_run(args.run, args.split, out)

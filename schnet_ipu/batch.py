@@ -139,4 +139,5 @@ def stack_batches(batches: list[Batch]) -> Batch:
         molecule_index=cat("molecule_index"),
         edge_index=edge_index,
         edge_mask=edge_mask,
+        forces=cat("forces") if all(b.forces is not None for b in batches) else None,
     )

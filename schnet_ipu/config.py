@@ -39,7 +39,7 @@ class ConfigError(UserError, ValueError):
 
 @dataclass
 class DataConfig:
-    source: str = "qm9"  # qm9 (from qm9pack) | qm9-raw (PyG raw files) | hydronet | water
+    source: str = "qm9"  # qm9 (from qm9pack) | qm9-raw (PyG raw files) | hydronet | water | ase
     path: str = "data/qm9.h5"  # the HDF5 molecule store; imported from `source` if missing
     raw_dir: str = ""  # folder of raw files for qm9-raw and hydronet
     hydronet_subset: str = "small"  # small (500k sample) | medium (W3-W25) | large (W3-W30)
@@ -47,6 +47,9 @@ class DataConfig:
     water_sizes: list[int] = field(default_factory=lambda: [3, 30])  # min, max waters
     water_distribution: str = "uniform"  # sizes: uniform | hydronet (HydroNet's shares)
     water_templates: int = 0  # 0: relax every cluster; N: sample around N relaxed per size
+    files: list[str] = field(default_factory=list)  # ase: files ase.io.read reads (extxyz, db)
+    energy_key: str = "energy"  # ase: atoms.info key (or calculator result) of the energy
+    forces_key: str = "forces"  # ase: atoms.arrays key (or calculator result) of the forces
     target: str = "U0"  # target name in the store
     atomrefs: bool = True  # subtract per-element reference energies (atomization energy)
     subset: int = 0  # use only this many molecules (random, from the seed); 0 = all
@@ -101,6 +104,7 @@ class OptimConfig:
     min_lr: float = 1e-5
     grad_clip: float = 10.0  # max gradient norm; 0 = off
     weight_decay: float = 0.0
+    forces_weight: float = 0.0  # weight of the standardised force loss; 0 = energies only
 
 
 @dataclass
@@ -148,7 +152,7 @@ class Config:
 
 
 CHOICES: dict[str, tuple[str, ...]] = {
-    "data.source": ("qm9", "qm9-raw", "hydronet", "water"),
+    "data.source": ("qm9", "qm9-raw", "hydronet", "water", "ase"),
     "data.hydronet_subset": ("small", "medium", "large"),
     "data.water_distribution": ("uniform", "hydronet"),
     "packing.algorithm": ("lpfhp", "tuple", "pad_to_max"),
@@ -197,6 +201,7 @@ NON_NEGATIVE = (
     "optim.min_lr",
     "optim.grad_clip",
     "optim.weight_decay",
+    "optim.forces_weight",
     "backend.threads",
 )
 
@@ -291,6 +296,13 @@ def validate(cfg: Config) -> None:
             f"model.k={cfg.model.k} needs packs of more than k atoms, but packing.max_nodes="
             f"{cfg.packing.max_nodes}; lower model.k or raise packing.max_nodes"
         )
+    if cfg.optim.forces_weight > 0 and cfg.backend.compile:
+        raise ConfigError(
+            "optim.forces_weight > 0 trains forces by double backward, which torch.compile "
+            "does not support; set backend.compile=false"
+        )
+    if cfg.data.source == "ase" and not cfg.data.files:
+        raise ConfigError("data.source=ase needs data.files: a list of ASE-readable files")
     if cfg.backend.dist_backend == "nccl" and cfg.backend.device == "cpu":
         raise ConfigError("backend.dist_backend=nccl needs CUDA; use gloo with backend.device=cpu")
     if cfg.backend.cuda_graphs == "true" and cfg.backend.device not in ("auto", "cuda"):

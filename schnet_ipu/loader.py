@@ -261,13 +261,17 @@ class PackMolecule(NamedTuple):
     forces: np.ndarray | None = None  # [n, 3] float32 target forces, optional
 
 
-def collate(packs: Sequence[Sequence[PackMolecule]], layout: Layout) -> Batch:
+def collate(
+    packs: Sequence[Sequence[PackMolecule]], layout: Layout, with_forces: bool | None = None
+) -> Batch:
     """Packs of molecules -> one Batch with the shapes of ``layout`` (see schnet_ipu.batch).
 
     For molecules outside a store (new structures, tests, benchmarks); the same array program
     as the loader builds it. Fewer packs than ``layout.packs_per_batch`` leave the rest empty
     (all padding). Raises LoaderError when a pack holds more atoms, molecules or edges than the
-    layout allows. Forces are collated when every molecule has them.
+    layout allows. ``with_forces``: give the batch target forces (zeros on padding); None:
+    when every molecule has them. Say so for a batch that may hold no molecule (an epoch's
+    all-padding tail), so that it keeps the run's batch shape.
     """
     if len(packs) > layout.packs_per_batch:
         raise LoaderError(f"{len(packs)} packs for a batch of {layout.packs_per_batch}")
@@ -278,12 +282,15 @@ def collate(packs: Sequence[Sequence[PackMolecule]], layout: Layout) -> Batch:
     pos = np.concatenate(
         [np.zeros((0, 3), np.float32), *(np.asarray(m.pos, np.float32) for m in molecules)]
     )
-    with_forces = bool(molecules) and all(m.forces is not None for m in molecules)
-    forces = (
-        np.concatenate([np.asarray(m.forces, np.float32) for m in molecules])
-        if with_forces
-        else None
-    )
+    if with_forces is None:
+        with_forces = bool(molecules) and all(m.forces is not None for m in molecules)
+    forces = None
+    if with_forces:
+        if any(m.forces is None for m in molecules):
+            raise LoaderError("with_forces=True, but a molecule has no forces")
+        forces = np.concatenate(
+            [np.zeros((0, 3), np.float32), *(np.asarray(m.forces, np.float32) for m in molecules)]
+        )
     pairs = None
     if layout.cutoff is not None:
         found = [molecule_pairs(m.pos, layout.cutoff) for m in molecules]

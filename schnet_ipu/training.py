@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from schnet_ipu.backends import make_backend, select_device
+from schnet_ipu.backends import TorchBackend, make_backend, select_device
 from schnet_ipu.backends.distributed import (
     ReplicaInfo,
     broadcast_parameters,
@@ -50,9 +50,19 @@ from schnet_ipu.checkpoint import (
 )
 from schnet_ipu.config import Config, ConfigError, config_from_dict
 from schnet_ipu.errors import CheckpointError, UserError
+from schnet_ipu.forces import (
+    EnergyForceLoss,
+    error_sums,
+    evaluate_forces,
+    force_predictions,
+    force_rms,
+    metrics_from_sums,
+    trivial_baselines,
+)
 from schnet_ipu.loader import PackedLoader
 from schnet_ipu.model import SchNet, masked_mse
 from schnet_ipu.pipeline import PreparedData, make_loader, prepare_data
+from schnet_ipu.plots import evaluation_plots
 from schnet_ipu.runlog import RunLog, plot_learning_curve, read_records, truncate_after
 
 log = logging.getLogger("schnet_ipu")
@@ -171,6 +181,7 @@ def run(cfg: Config, fresh: bool = False) -> None:
         if cfg.optim.schedule == "plateau":
             scheduler.step(val.mae)
             backend.optimizer_changed()
+        val_forces = evaluate_forces(backend, val_loader, replica) if data.store.has_forces else {}
         improved = val.mae < best_mae
         best_mae = min(best_mae, val.mae)
         if runlog is not None:
@@ -188,6 +199,8 @@ def run(cfg: Config, fresh: bool = False) -> None:
                 epoch_seconds=train_stats["seconds"],
                 data_wait_fraction=train_stats["data_seconds"] / max(train_stats["seconds"], 1e-9),
                 unit=data.unit,
+                **{f"val_{k}": v for k, v in val_forces.items()},
+                **_loss_progress(backend),
             )
             log.info(
                 "epoch %d: train loss %.4f, val MAE %.4f %s, %.0f molecules/s",
@@ -211,9 +224,18 @@ def run(cfg: Config, fresh: bool = False) -> None:
     test_loader = make_loader(cfg, data, "test", replica.rank, replica.world_size)
     test = evaluate(backend, test_loader, data, "test", replica)
     baseline_mae = float(np.abs(data.baseline_errors("test")).mean())
+    test_forces = {}
+    if data.store.has_forces:
+        test_forces = {
+            f"test_{k}": v for k, v in evaluate_forces(backend, test_loader, replica).items()
+        }
+        test_forces.update(
+            trivial_baselines(data.store, data.targets, data.split["train"], data.split["test"])
+        )
     if runlog is not None:
         runlog.write(
             "final",
+            **test_forces,
             test_mae=test.mae,
             test_rmse=test.rmse,
             baseline_test_mae=baseline_mae,
@@ -269,6 +291,9 @@ def train_epoch(
         leave=False,
     )
     batches = iter(loader.epoch(epoch, first_call))
+    force_loss = getattr(backend, "loss_fn", None)
+    if isinstance(force_loss, EnergyForceLoss):
+        force_loss.reset()
     epoch_start = time.perf_counter()
     with ctrl_c_requests_stop(stop):
         while not stop.requested:
@@ -294,7 +319,11 @@ def train_epoch(
                 continue
             losses += read_losses(pending, epoch, step)
             rate = molecules / max(time.perf_counter() - epoch_start, 1e-9)
-            bar.set_postfix(loss=f"{losses[-1]:.4f}", mol_s=f"{rate * replica.world_size:.0f}")
+            bar.set_postfix(
+                loss=f"{losses[-1]:.4f}",
+                mol_s=f"{rate * replica.world_size:.0f}",
+                **(force_loss.progress() if isinstance(force_loss, EnergyForceLoss) else {}),
+            )
             if runlog is not None:
                 runlog.write(
                     "step",
@@ -382,6 +411,11 @@ def make_trainer(
     model = build_model(cfg, data)
     optimizer = make_optimizer(cfg, model, device)
     loss_fn = functools.partial(standardised_loss, scale=data.residual_std)
+    if cfg.optim.forces_weight > 0:
+        if not data.store.has_forces:
+            raise ConfigError(f"optim.forces_weight > 0, but {data.store.path} holds no forces")
+        scale = force_rms(data.store, data.split["train"])
+        loss_fn = EnergyForceLoss(data.residual_std, scale, cfg.optim.forces_weight)
     backend = make_backend(
         cfg.backend,
         model,
@@ -394,7 +428,17 @@ def make_trainer(
         prefetch=cfg.loader.prefetch,
         cache_dir=cfg.backend.executable_cache or str(Path(cfg.logging.run_dir) / "executables"),
     )
+    if cfg.optim.forces_weight > 0 and not isinstance(backend, TorchBackend):
+        raise ConfigError("optim.forces_weight > 0 needs a cpu or cuda backend (no PopTorch)")
     return model, optimizer, backend
+
+
+def _loss_progress(backend) -> dict[str, float]:
+    """The force loss's training energy MAE per atom and force MAE of the epoch, if any."""
+    loss_fn = getattr(backend, "loss_fn", None)
+    if not isinstance(loss_fn, EnergyForceLoss):
+        return {}
+    return {f"train_{k}": v for k, v in loss_fn.metrics().items()}
 
 
 def build_model(cfg: Config, data: PreparedData) -> SchNet:
@@ -511,10 +555,11 @@ def load_run(run_dir: Path, checkpoint: str = "best") -> tuple[Config, PreparedD
 
 
 def evaluate_run(run_dir: Path, split: str = "test") -> dict:
+    """Errors of a run's best weights on a split, and its parity plot and error histogram."""
     cfg, data, backend = load_run(run_dir)
     metrics = evaluate(backend, make_loader(cfg, data, split), data, split, ReplicaInfo())
     baseline = float(np.abs(data.baseline_errors(split)).mean())
-    return {
+    result = {
         "split": split,
         "mae": metrics.mae,
         "rmse": metrics.rmse,
@@ -522,6 +567,26 @@ def evaluate_run(run_dir: Path, split: str = "test") -> dict:
         "baseline_mae": baseline,
         "unit": data.unit,
     }
+    loader = make_loader(cfg, data, split)
+    if data.store.has_forces:  # energies and forces in one pass; forces by autograd
+        parts = list(force_predictions(backend.model, loader, backend.device))
+        result.update(metrics_from_sums(error_sums(parts)))
+        result.update(
+            trivial_baselines(data.store, data.targets, data.split["train"], data.split[split])
+        )
+        energy = tuple(
+            np.concatenate([getattr(p, k) for p in parts]) for k in ("energy", "energy_true")
+        )
+        forces = tuple(
+            np.concatenate([getattr(p, k) for p in parts]) for k in ("forces", "forces_true")
+        )
+    else:
+        rows = list(predictions(backend, loader))
+        energy = tuple(np.concatenate([r[k] for r in rows]) for k in (1, 2))
+        forces = None
+    pictures = evaluation_plots(run_dir, split, energy, data.unit, forces, data.store.forces_unit)
+    result["pictures"] = [str(p) for p in pictures]
+    return result
 
 
 def predict_run(run_dir: Path, split: str, out: Path) -> int:

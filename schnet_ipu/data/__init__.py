@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from ..config import DataConfig
+from .ase_files import import_ase
 from .graphs import knn_edges, molecule_pairs, radius_edges
 from .hydronet import import_hydronet
 from .pairs import RadiusPairs, edge_counts, radius_pairs
@@ -31,6 +32,7 @@ __all__ = [
     "ensure_store",
     "generate_water",
     "generate_water_sampled",
+    "import_ase",
     "import_hydronet",
     "import_qm9",
     "import_qm9_raw",
@@ -69,6 +71,9 @@ def ensure_store(data_cfg: DataConfig, progress: bool = True) -> Path:
             distribution=data_cfg.water_distribution,
             progress=progress,
         )
+        import_hydronet(data_cfg.raw_dir, path, data_cfg.hydronet_subset)
+    elif source == "ase":
+        import_ase(data_cfg.files, path, data_cfg.energy_key, data_cfg.forces_key, progress)
     elif source == "water":
         lo, hi = data_cfg.water_sizes
         weights = None
@@ -76,6 +81,6 @@ def ensure_store(data_cfg: DataConfig, progress: bool = True) -> Path:
             weights = [hydronet_weights().get(w, 0.0) for w in range(lo, hi + 1)]
         generate_water(path, data_cfg.water_clusters, (lo, hi), seed=0, weights=weights)
     else:
-        raise StoreError(f"unknown data.source {source!r} (qm9, qm9-raw, hydronet, water)")
+        raise StoreError(f"unknown data.source {source!r} (qm9, qm9-raw, hydronet, water, ase)")
     log.info("imported %s into %s in %.1f s", source, path, time.perf_counter() - start)
     return path

@@ -42,6 +42,8 @@ class _ShiftedSoftplus(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> Tensor:
         (x,) = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph (forces): out of place, differentiable
+            return grad * torch.sigmoid(x)
         return torch.sigmoid(x).mul_(grad)
 
 
@@ -65,7 +67,8 @@ class _ShiftedSoftplusFused(torch.autograd.Function):
     With ``e = exp(-|x|)`` in (0, 1], ``log1p(e)`` is a polynomial in ``e`` and the slope
     ``sigmoid(x)`` is ``1 / (1 + e)`` (x >= 0) or ``e / (1 + e)``. Inductor fuses all of it
     into one vectorised loop; its ``logaddexp`` and ``log1p`` kernels cost about three
-    times as much. The slope is kept for the backward pass, which is then one product.
+    times as much. The slope is kept for the backward pass, which is then one product; it is
+    a constant to autograd, so this is differentiable once only (a second derivative raises).
     """
 
     @staticmethod
@@ -79,6 +82,7 @@ class _ShiftedSoftplusFused(torch.autograd.Function):
         return torch.clamp(x, min=0.0) + (log1p_e * e - LOG2)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad: Tensor) -> Tensor:
         (slope,) = ctx.saved_tensors
         return grad * slope
@@ -120,6 +124,8 @@ class _PairSymmetricConv(torch.autograd.Function):
 
     The backward recomputes the gathered features instead of keeping the [E, F] messages, and
     updates its buffers in place: four [E, F] passes fewer than autograd's broadcast form.
+    Under ``create_graph`` (force training) it is written in out-of-place differentiable ops
+    instead, so autograd can differentiate it again (double backward).
     """
 
     @staticmethod
@@ -131,11 +137,12 @@ class _PairSymmetricConv(torch.autograd.Function):
         return x.new_zeros(x.shape).index_add_(0, dst, msg)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, None, Tensor | None]:
         x, edge_index, filt = ctx.saved_tensors
         src, dst = edge_index
         grad_msg = grad.index_select(0, dst)  # [E, F]
+        if torch.is_grad_enabled():
+            return _pair_symmetric_conv_backward(x, src, filt, grad_msg, ctx.needs_input_grad)
         grad_x = grad_filt = None
         if ctx.needs_input_grad[2]:
             both = x.index_select(0, src).mul_(grad_msg).view(2, *filt.shape)
@@ -146,12 +153,26 @@ class _PairSymmetricConv(torch.autograd.Function):
         return grad_x, None, grad_filt
 
 
+def _pair_symmetric_conv_backward(
+    x: Tensor, src: Tensor, filt: Tensor, grad_msg: Tensor, needs: tuple[bool, ...]
+) -> tuple[Tensor | None, None, Tensor | None]:
+    """The backward of :class:`_PairSymmetricConv` in out-of-place ops autograd differentiates:
+    x [N, F], src [E], filt [P, F], grad_msg [E, F] -> (grad_x [N, F], None, grad_filt [P, F])."""
+    grad_x = grad_filt = None
+    if needs[2]:
+        grad_filt = (x.index_select(0, src) * grad_msg).view(2, *filt.shape).sum(0)
+    if needs[0]:
+        weighted = grad_msg.view(2, *filt.shape) * filt
+        grad_x = x.new_zeros(x.shape).index_add(0, src, weighted.view(grad_msg.shape))
+    return grad_x, None, grad_filt
+
+
 def pair_symmetric_conv(x: Tensor, edge_index: Tensor, filt: Tensor) -> Tensor:
     """``out[i] = sum over edges (j -> i) of x[j] * filt[pair of the edge]``.
 
     x [N, F]; edge_index [2, E] with E = 2P: edges P.. 2P-1 are edges 0.. P-1 reversed;
     filt [P, F], one filter per pair, shared by its two directions. Returns [N, F]. Equal to
-    ``scatter_sum(gather(x, src) * cat([filt, filt]), dst)``; differentiable once in x and
+    ``scatter_sum(gather(x, src) * cat([filt, filt]), dst)``; differentiable twice in x and
     filt (the indices carry no gradient).
     """
     return _PairSymmetricConv.apply(x, edge_index, filt)
