@@ -16,6 +16,7 @@ import dataclasses
 import logging
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Tuple
 
 import numpy as np
 import torch
@@ -28,7 +29,8 @@ from schnet_ipu.training import load_run
 
 log = logging.getLogger("schnet_ipu")
 
-Structure = tuple[np.ndarray, np.ndarray]  # z int [n], pos float [n, 3] in Angstrom
+Structure = Tuple[np.ndarray, np.ndarray]  # z int [n], pos float [n, 3] in Angstrom; typing's
+# form: a runtime alias on Python 3.8
 
 
 class Predictor:
@@ -151,7 +153,7 @@ def predict_file(run_dir: Path, input_path: Path, out: Path) -> int:
     predictor = Predictor(run_dir)
     results = predictor.predict(structures)
     written = []
-    for atoms, (energy, forces) in zip(frames, results, strict=True):
+    for atoms, (energy, forces) in zip(frames, results):
         copy = Atoms(atoms.numbers, atoms.positions, cell=atoms.cell, pbc=atoms.pbc)
         copy.info.update({k: v for k, v in atoms.info.items() if k != "energy"})
         copy.info["energy"] = energy

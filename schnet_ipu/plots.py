@@ -32,7 +32,7 @@ def evaluation_plots(
     parity, parity_axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.5))
     errors, error_axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.5))
     for (name, pred, true, u), pa, ea in zip(
-        panels, np.atleast_1d(parity_axes), np.atleast_1d(error_axes), strict=True
+        panels, np.atleast_1d(parity_axes), np.atleast_1d(error_axes)
     ):
         error = pred - true
         mae = float(np.mean(np.abs(error)))
@@ -44,7 +44,7 @@ def evaluation_plots(
         ea.hist(error, bins=60)
         ea.set(xlabel=f"{name} error ({u})", ylabel="count")
         ea.set_title(f"{split}: {name} error, MAE {mae:.4g} {u}")
-    for figure, path in zip((parity, errors), paths, strict=True):
+    for figure, path in zip((parity, errors), paths):
         figure.tight_layout()
         figure.savefig(path, dpi=120)
         plt.close(figure)

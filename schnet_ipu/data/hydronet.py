@@ -72,9 +72,9 @@ def import_hydronet(
             chosen = np.sort(np.random.default_rng(seed).choice(total, sample_size, replace=False))
             starts = np.cumsum([0, *lengths[:-1]])
             parts = np.split(chosen, np.searchsorted(chosen, starts[1:]))
-            rows = [part - start for part, start in zip(parts, starts, strict=True)]
+            rows = [part - start for part, start in zip(parts, starts)]
     num_atoms = np.concatenate(
-        [np.full(len(r), 3 * n, dtype=np.int64) for n, r in zip(sizes, rows, strict=True)]
+        [np.full(len(r), 3 * n, dtype=np.int64) for n, r in zip(sizes, rows)]
     )
     stamp = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
     key = json.dumps({"subset": subset, "seed": seed, "sample": sample_size, "files": stamp})
@@ -103,7 +103,7 @@ def import_hydronet(
     )
     first = 0
     try:
-        for n, path, take in zip(sizes, files, rows, strict=True):
+        for n, path, take in zip(sizes, files, rows):
             if first + len(take) > writer.written and len(take):
                 bar.set_postfix_str(path.name)
                 z, pos, y = _read_file(path, n)

@@ -87,7 +87,7 @@ def size_counts(
     share = np.array(list(weights.values())) / sum(weights.values()) * clusters
     counts = np.floor(share).astype(np.int64)
     counts[np.argsort(counts - share)[: clusters - counts.sum()]] += 1
-    return {w: int(c) for w, c in zip(weights, counts, strict=True) if c}
+    return {w: int(c) for w, c in zip(weights, counts) if c}
 
 
 def random_rotations(rng: np.random.Generator, n: int, sigma: float | None) -> np.ndarray:
@@ -255,7 +255,7 @@ def generate_water_sampled(
     pool = multiprocessing.get_context("spawn").Pool(workers) if workers > 0 else None
     try:
         chunks = pool.imap(_chunk_task, tasks) if pool else map(_chunk_task, tasks)
-        for (_, _, waters, _, n, begin), (pos, energy) in zip(tasks, chunks, strict=True):
+        for (_, _, waters, _, n, begin), (pos, energy) in zip(tasks, chunks):
             z = np.tile(np.array([8, 1, 1], dtype=np.uint8), n * waters)
             writer.append(z, pos, {"energy": energy}, np.arange(begin, begin + n))
             bar.set_postfix_str(f"W{waters}")
