@@ -25,7 +25,7 @@ import torch
 
 from schnet_ipu.bench.common import QM9_STORE, new_report, ratio
 from schnet_ipu.config import load_config
-from schnet_ipu.data import radius_edges
+from schnet_ipu.data import MoleculeStore, radius_edges
 from schnet_ipu.loader import PackedLoader
 from schnet_ipu.pipeline import PreparedData, make_loader, prepare_data
 
@@ -139,6 +139,7 @@ def run_loader(
 ) -> dict:
     """Every mode on ``configs/qm9.yaml`` (plus ``overrides``) over ``store``, side by side."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    MoleculeStore(store)  # a bad store is refused under its own name, not the copy's
     with tempfile.TemporaryDirectory() as fresh:
         copy = Path(fresh) / Path(store).name  # no pairs file yet: cold builds it
         shutil.copy(store, copy)
