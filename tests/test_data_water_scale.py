@@ -121,7 +121,9 @@ def test_interrupted_generation_resumes_to_the_same_store(tmp_path, monkeypatch)
 def test_writer_checks_and_discards_other_partials(tmp_path):
     path = tmp_path / "s.h5"
     writer = StoreWriter(path, np.array([3, 3]), {"energy": "kcal/mol"}, key="a")
-    with pytest.raises(StoreError, match="target 'energy' is not"):
+    with pytest.raises(
+        StoreError, match=r"record 0 \(molecule 0\) has a non-finite target 'energy'"
+    ):
         writer.append(np.array([8, 1, 1]), np.zeros((3, 3)), {"energy": [np.nan]}, [0])
     with pytest.raises(StoreError, match="expected 3 atoms"):
         writer.append(np.array([8, 1]), np.zeros((2, 3)), {"energy": [1.0]}, [0])

@@ -175,14 +175,7 @@ def write_store(
                 f.create_dataset(f"atomrefs/{name}", data=ref)
             f.attrs.update(
                 {
-                    "source": "unknown",
-                    "source_version": "",
-                    "synthetic": False,
-                    **(attrs or {}),
-                    "schema": SCHEMA,
-                    "schema_version": SCHEMA_VERSION,
-                    "num_molecules": num_molecules,
-                    "num_atoms": int(offsets[-1]),
+                    **root_attributes(attrs or {}, num_molecules, int(offsets[-1])),
                     "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                 }
             )
@@ -191,6 +184,21 @@ def write_store(
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+def root_attributes(attrs: Mapping[str, Any], molecules: int, atoms: int) -> dict[str, Any]:
+    """A store's root attributes: defaults, the importer's ``attrs``, then the schema and the
+    counts (which ``attrs`` cannot override)."""
+    return {
+        "source": "unknown",
+        "source_version": "",
+        "synthetic": False,
+        **attrs,
+        "schema": SCHEMA,
+        "schema_version": SCHEMA_VERSION,
+        "num_molecules": molecules,
+        "num_atoms": atoms,
+    }
 
 
 def _per_atom(per_molecule: Sequence[Any]) -> np.ndarray:

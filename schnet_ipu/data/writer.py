@@ -29,10 +29,9 @@ from .store import (
     ATOM_CHUNK,
     COMPRESSION,
     MOLECULE_CHUNK,
-    NUM_ELEMENTS,
-    SCHEMA,
-    SCHEMA_VERSION,
     StoreError,
+    invalid_records,
+    root_attributes,
 )
 
 log = logging.getLogger(__name__)
@@ -131,14 +130,7 @@ class StoreWriter:
             ds.attrs["description"] = descriptions.get(name, name)
         f.attrs.update(
             {
-                "source": "unknown",
-                "source_version": "",
-                "synthetic": False,
-                **attrs,
-                "schema": SCHEMA,
-                "schema_version": SCHEMA_VERSION,
-                "num_molecules": molecules,
-                "num_atoms": atoms,
+                **root_attributes(attrs, molecules, atoms),
                 "complete": False,
                 "written_molecules": 0,
                 "resume_key": self.key,
@@ -159,24 +151,26 @@ class StoreWriter:
         lo, hi = int(self.offsets[first]), int(self.offsets[stop])
         z = np.asarray(z).reshape(-1)
         pos = np.asarray(pos, dtype=np.float32).reshape(-1, 3)
+        ids = np.asarray(ids, dtype=np.int64)
         where = f"{self.path}: molecules {first}..{stop - 1}"
         if len(z) != hi - lo or len(pos) != hi - lo:
             raise StoreError(f"{where}: expected {hi - lo} atoms, got z {len(z)}, pos {len(pos)}")
-        if np.any((z < 1) | (z >= NUM_ELEMENTS)):
-            raise StoreError(f"{where}: atomic numbers outside 1..{NUM_ELEMENTS - 1}")
-        if not np.isfinite(pos).all():
-            raise StoreError(f"{where}: non-finite (NaN/inf) coordinates")
         if set(targets) != set(self.units):
             raise StoreError(f"{where}: targets {sorted(targets)}, expected {sorted(self.units)}")
+        values = {name: np.asarray(v, dtype=np.float64) for name, v in targets.items()}
+        for name, v in values.items():
+            if v.shape != (len(ids),):
+                raise StoreError(f"{where}: target {name!r} has shape {v.shape}, not [{len(ids)}]")
+        bad = invalid_records(z, pos, self.offsets[first : stop + 1] - lo, values)
+        if bad:
+            m = min(bad)
+            raise StoreError(f"{self.path}: record {int(ids[m])} (molecule {first + m}) {bad[m]}")
         f = self._file
-        for name, values in targets.items():
-            values = np.asarray(values, dtype=np.float64)
-            if values.shape != (len(ids),) or not np.isfinite(values).all():
-                raise StoreError(f"{where}: target {name!r} is not [m] finite values")
-            f[f"targets/{name}"][first:stop] = values
+        for name, v in values.items():
+            f[f"targets/{name}"][first:stop] = v
         f["z"][lo:hi] = z.astype(np.uint8)
         f["pos"][lo:hi] = pos
-        f["ids"][first:stop] = np.asarray(ids, dtype=np.int64)
+        f["ids"][first:stop] = ids
         f.flush()  # the data reaches the file before the progress mark that vouches for it
         f.attrs["written_molecules"] = stop
         f.flush()
