@@ -114,6 +114,10 @@ def test_ensure_store_and_cli(tmp_path, capsys):
     path = ensure_store(cfg)
     assert len(MoleculeStore(path)) == 3
     assert ensure_store(cfg) == path  # present: reused, not regenerated
+    sampled = DataConfig(source="water", path=str(tmp_path / "s.h5"), water_clusters=40)
+    sampled.water_sizes, sampled.water_templates = [3, 4], 2  # the water_4m5.yaml path
+    store = MoleculeStore(ensure_store(sampled, progress=False))
+    assert len(store) == 40 and store.attrs["synthetic"]
     with pytest.raises(StoreError, match=r"needs data\.raw_dir"):
         ensure_store(DataConfig(source="hydronet", path=str(tmp_path / "h.h5")))
     assert cli(["import", "qm9", "--limit", "20", "--out", str(tmp_path / "q.h5")]) == 0

@@ -71,7 +71,6 @@ def ensure_store(data_cfg: DataConfig, progress: bool = True) -> Path:
             distribution=data_cfg.water_distribution,
             progress=progress,
         )
-        import_hydronet(data_cfg.raw_dir, path, data_cfg.hydronet_subset)
     elif source == "ase":
         import_ase(data_cfg.files, path, data_cfg.energy_key, data_cfg.forces_key, progress)
     elif source == "water":
