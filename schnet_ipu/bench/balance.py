@@ -36,6 +36,7 @@ from schnet_ipu.batch import Batch
 from schnet_ipu.bench.common import QM9_STORE, new_report
 from schnet_ipu.config import ModelConfig
 from schnet_ipu.data import MoleculeStore, edge_counts, generate_water, make_split
+from schnet_ipu.feed import FeedArrays
 from schnet_ipu.loader import Layout, PackedDataset
 from schnet_ipu.model import SchNet, masked_mse
 from schnet_ipu.packing import assign_packs, plan_packing
@@ -75,8 +76,11 @@ def build_batches(
         layout = Layout(per, plan.max_nodes, plan.max_graphs, plan.max_edges, cutoff)
         packs = [all_packs[i : i + per] for i in range(0, len(all_packs), per)]
         layouts = [layout] * len(packs)
+    arrays = FeedArrays.from_store(store, targets, cutoff)  # once, shared by every batch
     return [
-        PackedDataset(store, index, targets, any_plan, layout, 0).collate([index[p] for p in group])
+        PackedDataset(store, index, targets, any_plan, layout, 0, arrays=arrays).collate(
+            [index[p] for p in group]
+        )
         for group, layout in zip(packs, layouts)
     ]
 

@@ -15,6 +15,7 @@ each molecule, so planning and batches come from one computation.
 from __future__ import annotations
 
 import logging
+import os
 import time
 import warnings
 import zlib
@@ -122,7 +123,7 @@ def build_pairs(store: MoleculeStore, cutoff: float) -> RadiusPairs:
 
 
 def _save(path: Path, pairs: RadiusPairs, store: MoleculeStore) -> None:
-    tmp = path.with_name(f".{path.name}.tmp.npz")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.npz")  # concurrent writers: own files
     np.savez(
         tmp,
         i=pairs.i,
