@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,8 +17,6 @@ from schnet_ipu.packing.balance import (
     round_robin,
     step_costs,
 )
-
-STORE = Path(__file__).resolve().parents[1] / "data" / "qm9.h5"
 
 
 def test_fit_recovers_a_linear_cost():
@@ -80,10 +77,8 @@ def test_loader_order_matches_the_global_micro_batch_layout():
                 assert abs(costs[a] - costs[b]) == 1  # neighbours in cost order
 
 
-def test_loader_groups_like_cost_micro_batches_and_keeps_every_molecule():
-    if not STORE.exists():
-        pytest.skip(f"{STORE} is not there")
-    store = MoleculeStore(STORE)
+def test_loader_groups_like_cost_micro_batches_and_keeps_every_molecule(qm9_store):
+    store = MoleculeStore(qm9_store)
     indices = np.arange(400)
     nodes = store.num_atoms[indices]
     plan = plan_packing(nodes, None, algorithm="lpfhp", target_efficiency=0.9)

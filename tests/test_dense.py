@@ -15,7 +15,6 @@ from schnet_ipu.model import SchNet
 from schnet_ipu.model.dense import dense_graph, pair_efficiency
 
 CUTOFF = 6.0
-STORE = Path(__file__).resolve().parents[1] / "data" / "qm9.h5"
 
 
 def random_molecules(count: int, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -28,10 +27,8 @@ def random_molecules(count: int, seed: int) -> list[tuple[np.ndarray, np.ndarray
     return molecules
 
 
-def qm9_molecules(count: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    if not STORE.exists():
-        pytest.skip(f"{STORE} is not there")
-    return load_molecules(str(STORE), count, seed=3)
+def qm9_molecules(store: Path, count: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    return load_molecules(str(store), count, seed=3)
 
 
 def padded_batch(molecules, graph: str) -> tuple[Batch, int]:
@@ -58,8 +55,8 @@ def run(model: SchNet, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tens
 
 @pytest.mark.parametrize("source", ["qm9", "random"])
 @pytest.mark.parametrize(("graph", "k"), [("radius", 24), ("knn", 6)])
-def test_dense_equals_sparse(source, graph, k):
-    molecules = qm9_molecules(14) if source == "qm9" else random_molecules(14, seed=5)
+def test_dense_equals_sparse(source, graph, k, qm9_store):
+    molecules = qm9_molecules(qm9_store, 14) if source == "qm9" else random_molecules(14, seed=5)
     batch, max_nodes = padded_batch(molecules, graph)
     results = {}
     for layout in ("sparse", "dense"):

@@ -7,10 +7,10 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from schnet_ipu.data.pairs import build_pairs, pairs_path
 
 from schnet_ipu.data import MoleculeStore, edge_counts, import_qm9, radius_pairs, write_store
 from schnet_ipu.data.graphs import molecule_pairs
+from schnet_ipu.data.pairs import build_pairs, pairs_path
 
 CUTOFF = 3.0
 

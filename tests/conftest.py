@@ -1,0 +1,15 @@
+"""Shared fixtures: real QM9 rows, imported from the qm9pack package (no file needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from schnet_ipu.data import import_qm9
+
+
+@pytest.fixture(scope="session")
+def qm9_store(tmp_path_factory) -> Path:
+    """A store of the first 2,000 real QM9 molecules (imported once per test session)."""
+    return import_qm9(tmp_path_factory.mktemp("qm9") / "qm9.h5", limit=2000, progress=False)
