@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from schnet_ipu.data import import_qm9
 
@@ -13,3 +14,11 @@ from schnet_ipu.data import import_qm9
 def qm9_store(tmp_path_factory) -> Path:
     """A store of the first 2,000 real QM9 molecules (imported once per test session)."""
     return import_qm9(tmp_path_factory.mktemp("qm9") / "qm9.h5", limit=2000, progress=False)
+
+
+@pytest.fixture(scope="module")
+def restore_threads():
+    """Put torch's intra-op thread count back after a module whose runs change it."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)

@@ -36,13 +36,9 @@ def load_train_module():
 train_cli = load_train_module()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def restore_threads():
-    """The runs here set backend.threads=1 (a tiny model steps ~4x faster on one thread of
-    a busy machine); put torch's thread count back for the other test modules."""
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
+# The runs here set backend.threads=1 (a tiny model steps ~4x faster on one thread of a busy
+# machine); the fixture puts torch's thread count back for the other test modules.
+pytestmark = pytest.mark.usefixtures("restore_threads")
 
 
 def molecules(rng: np.random.Generator, count: int) -> tuple[list, list, np.ndarray]:

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from schnet_ipu import training
 from schnet_ipu.config import load_config
@@ -23,13 +22,9 @@ class Crash(BaseException):
     """A simulated kill: nothing in the program catches it."""
 
 
-@pytest.fixture(autouse=True, scope="module")
-def restore_threads():
-    """The runs here set backend.threads=1 (a tiny model steps ~4x faster on one thread of
-    a busy machine); put torch's thread count back for the other test modules."""
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
+# The runs here set backend.threads=1 (a tiny model steps ~4x faster on one thread of a busy
+# machine); the fixture puts torch's thread count back for the other test modules.
+pytestmark = pytest.mark.usefixtures("restore_threads")
 
 
 @pytest.fixture(scope="module")
