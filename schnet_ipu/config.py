@@ -74,7 +74,7 @@ class LoaderConfig:
     workers: int = 0  # threads assembling batch chunks ahead; 0 = in the training thread
     prefetch: int = 4  # chunks assembled ahead (threads), batches copied ahead (CUDA)
     device_resident: str = "auto"  # auto | true | false: assemble batches on the device
-    cache: bool = True  # keep materialised molecules in memory after first read
+    cache: bool = True  # store.molecule() cache (benchmarks); the feed reads whole arrays
 
 
 @dataclass
