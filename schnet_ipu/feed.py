@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from schnet_ipu.data import MoleculeStore
-from schnet_ipu.data.pairs import RadiusPairs, radius_pairs
+from schnet_ipu.data.pairs import RadiusPairs
 from schnet_ipu.errors import UserError
 
 if TYPE_CHECKING:
@@ -55,16 +55,15 @@ class FeedArrays:
 
     @classmethod
     def from_store(
-        cls, store: MoleculeStore, targets: np.ndarray, cutoff: float | None, device="cpu"
+        cls, store: MoleculeStore, targets: np.ndarray, pairs: RadiusPairs | None, device="cpu"
     ) -> FeedArrays:
-        """The whole store (``targets`` [M]), on ``device``; radius pairs from the pairs file
-        when ``cutoff``."""
+        """The whole store (``targets`` [M]), on ``device``; ``pairs``: the store's radius
+        pairs (:func:`~schnet_ipu.data.pairs.radius_pairs`) for radius graphs, else None."""
         try:
             z, pos = store.concatenated()
             forces = store.forces() if store.has_forces else None
         except OSError as err:
             raise LoaderError(f"cannot read the molecules of {store.path}: {err}") from err
-        pairs = None if cutoff is None else radius_pairs(store, cutoff)
         arrays = cls.build(
             z, pos, forces, store.offsets, targets, pairs, store.ids, str(store.path)
         )

@@ -31,7 +31,7 @@ from torch import Tensor
 from schnet_ipu.batch import Batch
 from schnet_ipu.data import MoleculeStore
 from schnet_ipu.data.graphs import molecule_pairs
-from schnet_ipu.data.pairs import RadiusPairs
+from schnet_ipu.data.pairs import RadiusPairs, radius_pairs
 from schnet_ipu.feed import Assembled, FeedArrays, LoaderError, assemble
 from schnet_ipu.packing import PackPlan, assign_packs_flat
 from schnet_ipu.packing.balance import DEFAULT_COST, loader_order
@@ -129,7 +129,9 @@ class PackedDataset:
         self.layout = layout
         self.seed = seed
         self.shuffle = shuffle
-        self.arrays = arrays or FeedArrays.from_store(store, targets, layout.cutoff)
+        self.arrays = arrays or FeedArrays.from_store(
+            store, targets, None if layout.cutoff is None else radius_pairs(store, layout.cutoff)
+        )
         self._packs_epoch: int | None = None
         self._packs: tuple[Tensor, Tensor, Tensor] | None = None
 

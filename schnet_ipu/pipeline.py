@@ -19,10 +19,11 @@ from schnet_ipu.baseline import element_counts, fit_dressed_atoms, predict_dress
 from schnet_ipu.config import Config, ConfigError
 from schnet_ipu.data import (
     MoleculeStore,
+    RadiusPairs,
     StoreError,
-    edge_counts,
     ensure_store,
     load_or_make_split,
+    radius_pairs,
 )
 from schnet_ipu.feed import FeedArrays
 from schnet_ipu.loader import Layout, PackedDataset, PackedLoader
@@ -50,12 +51,17 @@ class PreparedData:
     split: dict[str, np.ndarray]  # split name -> int64 store indices
     targets: np.ndarray  # float64 [M]: the target, minus atom references when enabled
     unit: str
-    edge_counts: np.ndarray | None  # int64 [M] directed edges within the cutoff (radius)
+    pairs: RadiusPairs | None  # radius graphs: every molecule's pairs within the cutoff
     plans: dict[str, PackPlan]  # split name -> plan with the run's shared limits
     counts: np.ndarray  # uint16 [M, 119] element counts per molecule
     dressed_atoms: np.ndarray  # float64 [119] baseline energy per element (train fit)
     timings: dict[str, float]
     feeds: dict[str, FeedArrays] = field(default_factory=dict)  # device -> the loaders' arrays
+
+    @property
+    def edge_counts(self) -> np.ndarray | None:
+        """int64 [M] directed edges within the cutoff (radius graphs), else None."""
+        return None if self.pairs is None else 2 * self.pairs.counts
 
     @property
     def train_plan(self) -> PackPlan:
@@ -75,10 +81,12 @@ class PreparedData:
     def mean_atoms(self) -> float:
         return float(self.store.num_atoms[self.split["train"]].mean())
 
-    def feed_arrays(self, cutoff: float | None, device: str) -> FeedArrays:
+    def feed_arrays(self, device: str) -> FeedArrays:
         """The store's flat arrays for the loaders, once per device (see schnet_ipu.feed)."""
         if device not in self.feeds:
-            cpu = self.feeds.get("cpu") or FeedArrays.from_store(self.store, self.targets, cutoff)
+            cpu = self.feeds.get("cpu") or FeedArrays.from_store(
+                self.store, self.targets, self.pairs
+            )
             self.feeds[device] = cpu.to(device)
         return self.feeds[device]
 
@@ -108,12 +116,12 @@ def prepare_data(cfg: Config) -> PreparedData:
         if cfg.data.atomrefs and atomref is not None:
             targets = targets - counts @ atomref
         dressed = fit_dressed_atoms(counts[split["train"]], targets[split["train"]])
-    edges = None
+    pairs = None
     if cfg.model.graph == "radius":
         with stage("edge_counts", timings):
-            edges = edge_counts(store, cfg.model.cutoff)
+            pairs = radius_pairs(store, cfg.model.cutoff)  # kept: the feed gathers them too
     with stage("packing", timings):
-        plans = plan_splits(cfg, store, split, edges)
+        plans = plan_splits(cfg, store, split, None if pairs is None else 2 * pairs.counts)
         p = plans["train"]
         log.info(
             "packing %s: %d atoms, %s edges, %d molecules per pack; %d packs, node efficiency "
@@ -130,7 +138,7 @@ def prepare_data(cfg: Config) -> PreparedData:
         split=split,
         targets=targets,
         unit=store.unit(cfg.data.target),
-        edge_counts=edges,
+        pairs=pairs,
         plans=plans,
         counts=counts,
         dressed_atoms=dressed,
@@ -233,10 +241,9 @@ def make_loader(
         replica_balance=cfg.packing.replica_balance if training else "none",
     )
     index = data.split[split]
-    cutoff = cfg.model.cutoff if cfg.model.graph == "radius" else None
-    feed = data.feed_arrays(cutoff, "cpu")
+    feed = data.feed_arrays("cpu")
     if resident_device(cfg.loader.device_resident, device, feed.nbytes()) != "cpu":
-        feed = data.feed_arrays(cutoff, device)
+        feed = data.feed_arrays(device)
     dataset = PackedDataset(
         data.store,
         index,
@@ -244,7 +251,7 @@ def make_loader(
         plan,
         layout,
         seed=cfg.seed,
-        edge_counts=None if data.edge_counts is None else data.edge_counts[index],
+        edge_counts=None if data.pairs is None else 2 * data.pairs.counts[index],
         shuffle=training,
         arrays=feed,
     )

@@ -35,7 +35,7 @@ from schnet_ipu.backends.distributed import broadcast_parameters, merged_allredu
 from schnet_ipu.batch import Batch
 from schnet_ipu.bench.common import QM9_STORE, new_report
 from schnet_ipu.config import ModelConfig
-from schnet_ipu.data import MoleculeStore, edge_counts, generate_water, make_split
+from schnet_ipu.data import MoleculeStore, generate_water, make_split, radius_pairs
 from schnet_ipu.feed import FeedArrays
 from schnet_ipu.loader import Layout, PackedDataset
 from schnet_ipu.model import SchNet, masked_mse
@@ -61,7 +61,8 @@ def build_batches(
 ) -> list[Batch]:
     """One epoch of collated batches (every molecule of ``index`` once), seed 0."""
     nodes = store.num_atoms[index]
-    edges = edge_counts(store, cutoff)[index]
+    pairs = radius_pairs(store, cutoff)
+    edges = 2 * pairs.counts[index]
     targets = np.zeros(len(store))
     any_plan = plan_packing(nodes, None, "pad_to_max")  # collate never reads it
     if batching == "dynamic":
@@ -76,7 +77,7 @@ def build_batches(
         layout = Layout(per, plan.max_nodes, plan.max_graphs, plan.max_edges, cutoff)
         packs = [all_packs[i : i + per] for i in range(0, len(all_packs), per)]
         layouts = [layout] * len(packs)
-    arrays = FeedArrays.from_store(store, targets, cutoff)  # once, shared by every batch
+    arrays = FeedArrays.from_store(store, targets, pairs)  # once, shared by every batch
     return [
         PackedDataset(store, index, targets, any_plan, layout, 0, arrays=arrays).collate(
             [index[p] for p in group]
