@@ -347,11 +347,16 @@ def merged_allreduce(
     else:
         shared.sum_(flat)
     flat.div_(world_size)
+    unflatten_into(grads, flat)
+    return 1
+
+
+def unflatten_into(grads: list[Tensor], flat: Tensor) -> None:
+    """Copy the flat buffer [sum of numels] back into ``grads``, in place, in order."""
     offset = 0
     for grad in grads:
         grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
         offset += grad.numel()
-    return 1
 
 
 def per_parameter_allreduce(grads: list[Tensor], world_size: int) -> int:

@@ -19,8 +19,9 @@ the IPU compiler would. ``predict`` computes a batch once (no replica copies).
 from __future__ import annotations
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
+from schnet_ipu.backends.distributed import trainable_grads, unflatten_into
 from schnet_ipu.backends.torch_backend import LossFn, TorchBackend
 from schnet_ipu.batch import Batch
 
@@ -77,20 +78,18 @@ class IpuEmulatorBackend(TorchBackend):
         for batch in micro_batches:
             self._train_guard.check(batch)
         self.model.train()
-        params = [p for p in self.model.parameters() if p.requires_grad]
         records = []
         for step in range(steps):
             group = micro_batches[step * per_step : (step + 1) * per_step]
-            merged = torch.zeros(sum(p.numel() for p in params))  # [P], the all-reduce buffer
+            merged = 0.0  # becomes [P], the all-reduce buffer
             step_loss = 0.0
             for replica in range(self.replicas):
                 replica_loss = self._replica_grads(group[replica * accum : (replica + 1) * accum])
-                merged += torch.cat([_grad(p).reshape(-1) for p in params])
+                merged = merged + torch.cat([g.reshape(-1) for g in trainable_grads(self.model)])
                 step_loss += replica_loss
-            merged /= per_step
-            _write_grads(params, merged)
+            unflatten_into(trainable_grads(self.model), merged / per_step)
             if self.grad_clip > 0:
-                nn.utils.clip_grad_norm_(params, self.grad_clip)
+                nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
             self.optimizer.step()
             records.append(
                 {
@@ -110,15 +109,3 @@ class IpuEmulatorBackend(TorchBackend):
             loss.backward()
             total += loss.detach()
         return float(total)
-
-
-def _grad(param: Tensor) -> Tensor:
-    return param.grad if param.grad is not None else torch.zeros_like(param)
-
-
-def _write_grads(params: list[Tensor], flat: Tensor) -> None:
-    """Scatter the flat buffer [P] back into each parameter's ``.grad``."""
-    offset = 0
-    for param in params:
-        param.grad = flat[offset : offset + param.numel()].view_as(param).clone()
-        offset += param.numel()
