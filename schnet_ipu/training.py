@@ -168,53 +168,62 @@ def run(cfg: Config, fresh: bool = False) -> None:
         save_checkpoint(path, state)
 
     stop = StopFlag()
-    for epoch in range(start_epoch, cfg.optim.epochs):
-        first_call = start_call if epoch == start_epoch else 0
-        train_stats = train_epoch(
-            cfg, backend, scheduler, train_loader, epoch, first_call, runlog, replica, stop
-        )
-        if stop.requested:
-            checkpoint(last_path, epoch, train_stats["calls"])
-            log.info("interrupted: saved %s at epoch %d; re-run to resume", last_path, epoch)
-            raise SystemExit(130)
-        val = evaluate(backend, val_loader, data, "val", replica)
-        if cfg.optim.schedule == "plateau":
-            scheduler.step(val.mae)
-            backend.optimizer_changed()
-        val_forces = evaluate_forces(backend, val_loader, replica) if data.store.has_forces else {}
-        improved = val.mae < best_mae
-        best_mae = min(best_mae, val.mae)
-        if runlog is not None:
-            runlog.write(
-                "epoch",
-                epoch=epoch,
-                train_loss=train_stats["loss"],
-                val_loss=val.loss,
-                val_mae=val.mae,
-                val_rmse=val.rmse,
-                lr=float(optimizer.param_groups[0]["lr"]),
-                molecules_per_s=train_stats["molecules_per_s"],
-                data_seconds=train_stats["data_seconds"],
-                step_seconds=train_stats["step_seconds"],
-                epoch_seconds=train_stats["seconds"],
-                data_wait_fraction=train_stats["data_seconds"] / max(train_stats["seconds"], 1e-9),
-                unit=data.unit,
-                **{f"val_{k}": v for k, v in val_forces.items()},
-                **_loss_progress(backend),
+    # Ctrl-C anywhere in an epoch (training, validation, checkpoints) is a stop request:
+    # inside the training loop it stops at the next host call, later at the epoch's end
+    with ctrl_c_requests_stop(stop):
+        for epoch in range(start_epoch, cfg.optim.epochs):
+            first_call = start_call if epoch == start_epoch else 0
+            train_stats = train_epoch(
+                cfg, backend, scheduler, train_loader, epoch, first_call, runlog, replica, stop
             )
-            log.info(
-                "epoch %d: train loss %.4f, val MAE %.4f %s, %.0f molecules/s",
-                epoch,
-                train_stats["loss"],
-                val.mae,
-                data.unit,
-                train_stats["molecules_per_s"],
+            if stop.requested:
+                checkpoint(last_path, epoch, train_stats["calls"])
+                log.info("interrupted: saved %s at epoch %d; re-run to resume", last_path, epoch)
+                raise SystemExit(130)
+            val = evaluate(backend, val_loader, data, "val", replica)
+            if cfg.optim.schedule == "plateau":
+                scheduler.step(val.mae)
+                backend.optimizer_changed()
+            val_forces = (
+                evaluate_forces(backend, val_loader, replica) if data.store.has_forces else {}
             )
-        # the record is on disk before a checkpoint claims the epoch, and best.pt before
-        # last.pt, so a crash between any two writes loses nothing on resume
-        if improved:
-            checkpoint(best_path, epoch + 1, 0)
-        checkpoint(last_path, epoch + 1, 0)
+            improved = val.mae < best_mae
+            best_mae = min(best_mae, val.mae)
+            if runlog is not None:
+                runlog.write(
+                    "epoch",
+                    epoch=epoch,
+                    train_loss=train_stats["loss"],
+                    val_loss=val.loss,
+                    val_mae=val.mae,
+                    val_rmse=val.rmse,
+                    lr=float(optimizer.param_groups[0]["lr"]),
+                    molecules_per_s=train_stats["molecules_per_s"],
+                    data_seconds=train_stats["data_seconds"],
+                    step_seconds=train_stats["step_seconds"],
+                    epoch_seconds=train_stats["seconds"],
+                    data_wait_fraction=train_stats["data_seconds"]
+                    / max(train_stats["seconds"], 1e-9),
+                    unit=data.unit,
+                    **{f"val_{k}": v for k, v in val_forces.items()},
+                    **_loss_progress(backend),
+                )
+                log.info(
+                    "epoch %d: train loss %.4f, val MAE %.4f %s, %.0f molecules/s",
+                    epoch,
+                    train_stats["loss"],
+                    val.mae,
+                    data.unit,
+                    train_stats["molecules_per_s"],
+                )
+            # the record is on disk before a checkpoint claims the epoch, and best.pt before
+            # last.pt, so a crash between any two writes loses nothing on resume
+            if improved:
+                checkpoint(best_path, epoch + 1, 0)
+            checkpoint(last_path, epoch + 1, 0)
+            if stop.requested:
+                log.info("interrupted: saved %s after epoch %d; re-run to resume", last_path, epoch)
+                raise SystemExit(130)
 
     if main:  # rank 0 wrote best.pt; the others get its weights through the group
         model.load_state_dict(load_checkpoint(best_path)["model"])
@@ -295,49 +304,48 @@ def train_epoch(
     if isinstance(force_loss, EnergyForceLoss):
         force_loss.reset()
     epoch_start = time.perf_counter()
-    with ctrl_c_requests_stop(stop):
-        while not stop.requested:
-            tick = time.perf_counter()
-            micro_batches = next(batches, None)
-            if micro_batches is None:
-                break
-            tock = time.perf_counter()
-            records = backend.train_call(micro_batches)
-            done = time.perf_counter()
-            data_seconds += tock - tick
-            step_seconds += done - tock
-            for record in records:
-                if cfg.optim.schedule != "plateau":
-                    scheduler.step()
-                pending.append(record["loss"])
-                molecules += record["molecules"]
-            backend.optimizer_changed()  # the device gets the new lr, once per host call
-            calls += 1
-            step = (epoch * len(loader) + calls) * steps_per_call  # steps done so far
-            bar.update(1)
-            if calls % cfg.logging.log_every:
-                continue
-            losses += read_losses(pending, epoch, step)
-            rate = molecules / max(time.perf_counter() - epoch_start, 1e-9)
-            bar.set_postfix(
-                loss=f"{losses[-1]:.4f}",
-                mol_s=f"{rate * replica.world_size:.0f}",
-                **(force_loss.progress() if isinstance(force_loss, EnergyForceLoss) else {}),
+    while not stop.requested:
+        tick = time.perf_counter()
+        micro_batches = next(batches, None)
+        if micro_batches is None:
+            break
+        tock = time.perf_counter()
+        records = backend.train_call(micro_batches)
+        done = time.perf_counter()
+        data_seconds += tock - tick
+        step_seconds += done - tock
+        for record in records:
+            if cfg.optim.schedule != "plateau":
+                scheduler.step()
+            pending.append(record["loss"])
+            molecules += record["molecules"]
+        backend.optimizer_changed()  # the device gets the new lr, once per host call
+        calls += 1
+        step = (epoch * len(loader) + calls) * steps_per_call  # steps done so far
+        bar.update(1)
+        if calls % cfg.logging.log_every:
+            continue
+        losses += read_losses(pending, epoch, step)
+        rate = molecules / max(time.perf_counter() - epoch_start, 1e-9)
+        bar.set_postfix(
+            loss=f"{losses[-1]:.4f}",
+            mol_s=f"{rate * replica.world_size:.0f}",
+            **(force_loss.progress() if isinstance(force_loss, EnergyForceLoss) else {}),
+        )
+        if runlog is not None:
+            runlog.write(
+                "step",
+                epoch=epoch,
+                call=calls,
+                step=step,
+                loss=losses[-1],
+                lr=float(scheduler.optimizer.param_groups[0]["lr"]),
+                molecules_per_s=rate * replica.world_size,
+                data_seconds=data_seconds,
+                step_seconds=step_seconds,
+                replicas=cfg.backend.replicas,
+                collectives_per_step=records[-1]["collectives"],
             )
-            if runlog is not None:
-                runlog.write(
-                    "step",
-                    epoch=epoch,
-                    call=calls,
-                    step=step,
-                    loss=losses[-1],
-                    lr=float(scheduler.optimizer.param_groups[0]["lr"]),
-                    molecules_per_s=rate * replica.world_size,
-                    data_seconds=data_seconds,
-                    step_seconds=step_seconds,
-                    replicas=cfg.backend.replicas,
-                    collectives_per_step=records[-1]["collectives"],
-                )
     losses += read_losses(pending, epoch, (epoch * len(loader) + calls) * steps_per_call)
     bar.close()
     seconds = time.perf_counter() - epoch_start

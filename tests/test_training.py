@@ -112,6 +112,41 @@ def test_ctrl_c_checkpoints_and_resume_matches_an_uninterrupted_run(store, tmp_p
     assert epochs == [0, 1, 2]
 
 
+def test_ctrl_c_during_validation_finishes_the_epoch_then_stops(store, tmp_path, monkeypatch):
+    """Ctrl-C outside the training loop (here: in validation) is a stop request too: the
+    epoch ends with its record and checkpoint, the run exits 130 without a traceback, and a
+    re-run resumes to the weights of an uninterrupted run."""
+    train(load_config(None, tiny(store, tmp_path / "whole", "optim.epochs=2")))
+    reference = weights(tmp_path / "whole")
+
+    from schnet_ipu import training
+
+    evaluate = training.evaluate
+
+    def interrupted_once(backend, loader, data, split, replica):
+        if split == "val" and not getattr(interrupted_once, "done", False):
+            interrupted_once.done = True
+            signal.raise_signal(signal.SIGINT)  # as a Ctrl-C typed during validation
+        return evaluate(backend, loader, data, split, replica)
+
+    run_dir = tmp_path / "interrupted"
+    monkeypatch.setattr(training, "evaluate", interrupted_once)
+    try:  # a KeyboardInterrupt escaping the run would be the bug: catch it to fail cleanly
+        train(load_config(None, tiny(store, run_dir, "optim.epochs=2")))
+        stopped = None
+    except BaseException as err:
+        stopped = err
+    assert isinstance(stopped, SystemExit) and stopped.code == 130, repr(stopped)
+    saved = torch.load(run_dir / "checkpoints/last.pt", weights_only=False)
+    assert (saved["epoch"], saved["call"]) == (1, 0)  # the first epoch, whole
+    assert [r["epoch"] for r in read_records(run_dir / "metrics.jsonl", "epoch")] == [0]
+
+    monkeypatch.setattr(training, "evaluate", evaluate)
+    train(load_config(None, tiny(store, run_dir, "optim.epochs=2")))  # resumes
+    for name, value in reference.items():
+        assert torch.allclose(weights(run_dir)[name], value, rtol=0, atol=1e-6), name
+
+
 def test_another_configs_run_directory_is_refused(store, tmp_path):
     run_dir = tmp_path / "run"
     train(load_config(None, tiny(store, run_dir, "optim.epochs=1")))
