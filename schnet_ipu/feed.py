@@ -37,16 +37,17 @@ class LoaderError(UserError, RuntimeError):
 
 @dataclass
 class FeedArrays:
-    """Flat source arrays of M molecules and A atoms (P radius pairs), all on ``device``."""
+    """Flat source arrays of M molecules and A atoms (P radius pairs), all on ``device``;
+    every per-atom and per-pair array ends in one padding entry."""
 
-    z: Tensor  # uint8 [A] atomic numbers
-    pos: Tensor  # float32 [A, 3]
-    forces: Tensor | None  # float32 [A, 3], stores with forces only
+    z: Tensor  # uint8 [A + 1] atomic numbers; entry A is the padding atom (0)
+    pos: Tensor  # float32 [A + 1, 3]
+    forces: Tensor | None  # float32 [A + 1, 3], stores with forces only
     atom_start: Tensor  # int64 [M] first atom of each molecule
     num_atoms: Tensor  # int64 [M]
     y: Tensor  # float32 [M] targets
-    pair_i: Tensor | None  # uint8 (or wider) [P] local first atom, radius graphs only
-    pair_j: Tensor | None  # [P] local second atom, j > i
+    pair_ij: Tensor | None  # uint8 (or wider) [P + 1, 2] local (i, j), i < j, radius graphs
+    # only; entry P is the padding pair (0, 0)
     pair_start: Tensor | None  # int64 [M] first pair of each molecule
     pair_count: Tensor | None  # int64 [M]
     ids: np.ndarray  # int64 [M] record ids, for error messages
@@ -82,18 +83,21 @@ class FeedArrays:
         source: str,
         store_index: np.ndarray | None = None,
     ) -> FeedArrays:
-        """CPU feed arrays from numpy: ``offsets`` int [M + 1] splits z [A] / pos [A, 3]."""
+        """CPU feed arrays from numpy: ``offsets`` int [M + 1] splits z [A] / pos [A, 3].
+
+        Each per-atom and per-pair array gets one zero entry at its end: padding atoms and
+        padding edges of a batch are gathered from it (z 0, position 0, local atoms 0).
+        """
         offsets = torch.as_tensor(np.asarray(offsets, dtype=np.int64))
         pair_offsets = None if pairs is None else torch.from_numpy(pairs.offsets)
         return cls(
-            z=torch.from_numpy(np.asarray(z, dtype=np.uint8)),
-            pos=torch.from_numpy(np.asarray(pos, dtype=np.float32)),
-            forces=None if forces is None else torch.from_numpy(forces),
+            z=_with_zero_entry(np.asarray(z, dtype=np.uint8)),
+            pos=_with_zero_entry(np.asarray(pos, dtype=np.float32)),
+            forces=None if forces is None else _with_zero_entry(forces),
             atom_start=offsets[:-1],
             num_atoms=offsets.diff(),
             y=torch.from_numpy(np.asarray(targets)).to(torch.float32),
-            pair_i=None if pairs is None else torch.from_numpy(pairs.i),
-            pair_j=None if pairs is None else torch.from_numpy(pairs.j),
+            pair_ij=None if pairs is None else _with_zero_entry(_pair_table(pairs)),
             pair_start=None if pairs is None else pair_offsets[:-1],
             pair_count=None if pairs is None else pair_offsets.diff(),
             ids=np.asarray(ids, dtype=np.int64),
@@ -121,6 +125,22 @@ class FeedArrays:
         return f"molecule {molecule} (record {int(self.ids[molecule])}) of {self.source}"
 
 
+def _pair_table(pairs: RadiusPairs) -> np.ndarray:
+    """[P, 2] local (i, j) in uint8, int16 or int32, the narrowest that holds them (dtypes
+    whose two-column rows read as one torch integer)."""
+    largest = max(int(pairs.j.max(initial=0)), 0)
+    dtype = np.uint8 if largest < 2**8 else np.int16 if largest < 2**15 else np.int32
+    return np.stack([pairs.i.astype(dtype), pairs.j.astype(dtype)], 1)
+
+
+def _with_zero_entry(values: np.ndarray) -> Tensor:
+    """values [L, ...] -> tensor [L + 1, ...] ending in zeros (one copy)."""
+    source = torch.from_numpy(np.ascontiguousarray(values))
+    out = source.new_zeros((len(values) + 1, *values.shape[1:]))
+    out[:-1] = source
+    return out
+
+
 @dataclass
 class Assembled:
     """K batches as stacked tensors; row k of every field is batch k (shapes of Batch)."""
@@ -141,33 +161,66 @@ def _exclusive_cumsum(counts: Tensor) -> Tensor:
     return counts.cumsum(0) - counts
 
 
-def _spread(counts: Tensor) -> tuple[Tensor, Tensor]:
-    """For segments of ``counts`` [S] items: (segment of each item, rank inside it), [sum]."""
-    total = int(counts.sum())
-    segment = torch.repeat_interleave(
-        torch.arange(len(counts), device=counts.device), counts, output_size=total
-    )
-    rank = torch.arange(total, device=counts.device) - _exclusive_cumsum(counts)[segment]
-    return segment, rank
+_TWICE_AS_WIDE = {torch.uint8: torch.int16, torch.int16: torch.int32, torch.int32: torch.int64}
 
 
-class _Items:
-    """Items of S segments laid end to end (``counts`` [S] each): per-item values in one
-    pass each, no per-item segment lookups."""
+def _node_dtype(atoms: int) -> torch.dtype:
+    """The narrowest dtype for atom rows of a batch of ``atoms`` atoms."""
+    return torch.int16 if atoms < 2**15 else torch.int32
 
-    def __init__(self, counts: Tensor) -> None:
-        self.counts = counts
-        self.total = int(counts.sum())
-        self.first = _exclusive_cumsum(counts)
-        self.index = torch.arange(self.total, device=counts.device)
 
-    def repeat(self, values: Tensor) -> Tensor:
-        """values [S] -> [total]: each segment's value on each of its items."""
-        return torch.repeat_interleave(values, self.counts, output_size=self.total)
+def _index_dtype(size: int) -> torch.dtype:
+    """The narrowest index dtype for ``size`` entries (int32 halves the index traffic)."""
+    return torch.int32 if size < 2**31 else torch.int64
 
-    def ranges(self, starts: Tensor) -> Tensor:
-        """starts [S] -> [total]: ``starts[s] + rank`` for the items of segment s."""
-        return self.repeat(starts - self.first) + self.index
+
+class _PaddedRuns:
+    """Runs of items laid end to end, group after group, each group filled to ``width``.
+
+    Items t = 0..T-1 (sorted by ``group`` [T]) own ``lengths[t]`` positions each; after the
+    last item of group g one padding run fills the group to ``width``. So the output has
+    ``groups * width`` positions, group g owning [g * width, (g + 1) * width): the rows of
+    the packs (atoms) or of the batches (pairs) exactly as they appear in the batch tensors.
+    A per-position value is a per-run value plus a slope times the rank inside the run; it
+    is built as the running sum of its steps, which change only where a run starts (one
+    fill, one small scatter and one cumsum over the positions; no scatter or mask per item).
+    """
+
+    def __init__(self, group: Tensor, groups: int, lengths: Tensor, width: int) -> None:
+        dev, count = group.device, len(group)
+        self.groups, self.total = groups, groups * width
+        used = torch.zeros(groups, dtype=torch.int64, device=dev).index_add_(0, group, lengths)
+        through = torch.bincount(group, minlength=groups).cumsum(0)  # items in groups <= g
+        self.item_at = torch.arange(count, device=dev) + group  # place among the runs
+        self.pad_at = through + torch.arange(groups, device=dev)
+        lengths = self.interleave(lengths, width - used)
+        first = _exclusive_cumsum(lengths)
+        self.owns = first < self.total  # runs with positions (all but trailing empty ones)
+        self.first = first[self.owns]
+
+    def interleave(self, items: Tensor, padding: Tensor | int) -> Tensor:
+        """Per-run values: ``items`` [T] for the item runs, ``padding`` (scalar or [groups])."""
+        out = items.new_empty(len(items) + self.groups)
+        out[self.item_at] = items
+        out[self.pad_at] = padding
+        return out
+
+    def _positions(self, values: Tensor, slope: int, dtype: torch.dtype) -> Tensor:
+        """[total]: ``values[run] + slope * rank`` at each position (``values`` per run)."""
+        offset = (values[self.owns] - slope * self.first).to(dtype)  # value at position 0
+        step = torch.full((self.total,), slope, dtype=dtype, device=values.device)
+        step.index_add_(0, self.first, offset.diff(prepend=offset.new_full((1,), slope)))
+        return step.cumsum(0, dtype=dtype)
+
+    def repeat(self, items: Tensor, padding: Tensor | int, dtype: torch.dtype) -> Tensor:
+        """[total]: each run's value (``items`` [T] / ``padding``) at each of its positions."""
+        return self._positions(self.interleave(items, padding), 0, dtype)
+
+    def ranges(self, starts: Tensor, pad: int) -> Tensor:
+        """[total] source indices: ``starts[t] + rank`` in item t's run; every padding
+        position reads entry ``pad``, which must be the last entry of the source."""
+        dtype = _index_dtype(pad + 1)
+        return self._positions(self.interleave(starts, pad), 1, dtype).clamp_(max=pad)
 
 
 def assemble(
@@ -182,27 +235,30 @@ def assemble(
     """
     lay, dev = layout, arrays.device
     B, size, slots = lay.packs_per_batch, lay.max_nodes, lay.max_graphs
-    K = len(pack_lengths) // B
+    P = len(pack_lengths)
+    K = P // B
     N, G = B * size, B * slots
-    pack, slot = _spread(pack_lengths)  # [T] flat pack (k * B + p) and slot of each molecule
+    count = len(molecules)
+    pack = torch.repeat_interleave(
+        torch.arange(P, device=dev), pack_lengths, output_size=count
+    )  # [T] flat pack (k * B + p) of each molecule
+    slot = torch.arange(count, device=dev) - _exclusive_cumsum(pack_lengths)[pack]
     n = arrays.num_atoms[molecules]
     first_atom = _exclusive_cumsum(n)
     atom_offset = first_atom - first_atom[_exclusive_cumsum(pack_lengths)[pack]]
-    _check_fits(arrays, layout, molecules, pack, slot, n, atom_offset + n, len(pack_lengths))
+    _check_fits(arrays, layout, molecules, pack, slot, n, atom_offset + n, P)
 
-    def empty(shape, dtype, fill=None) -> Tensor:
-        out = torch.empty(shape, dtype=dtype, device=dev, pin_memory=pin and dev.type == "cpu")
-        return out if fill is None else out.fill_(fill)
+    def output(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        return torch.empty(shape, dtype=dtype, device=dev, pin_memory=pin and dev.type == "cpu")
 
-    atoms = _Items(n)
-    src = atoms.ranges(arrays.atom_start[molecules])
-    row = atoms.ranges(pack * size + atom_offset)  # flat over K * N
-    z = empty((K * N,), torch.int64, 0)
-    z[row] = arrays.z[src].long()
-    pos = empty((K * N, 3), torch.float32, 0)
-    pos[row] = arrays.pos[src]
-    graph = empty((K * N,), torch.int64, G)
-    graph[row] = atoms.repeat(pack % B * slots + slot)  # batch-local slot
+    def pinned(value: Tensor) -> Tensor:
+        return output(value.shape, value.dtype).copy_(value) if pin else value
+
+    rows = _PaddedRuns(pack, P, n, size)  # the K * N atom rows
+    source = rows.ranges(arrays.atom_start[molecules], len(arrays.z) - 1)
+    z = output((K * N,), torch.int64).copy_(arrays.z.index_select(0, source))
+    pos = torch.index_select(arrays.pos, 0, source, out=output((K * N, 3), torch.float32))
+    graph = pinned(rows.repeat(pack % B * slots + slot, G, torch.int64))  # slot; G: padding
     node_mask = (graph < G).view(K, N)
     padding = ~node_mask
     padding_x = PADDING_ORIGIN + PADDING_SPACING * (padding.cumsum(1) - 1)
@@ -210,22 +266,24 @@ def assemble(
     pos[..., 0] = torch.where(node_mask, pos[..., 0], padding_x)
     forces = None
     if arrays.forces is not None:
-        forces = empty((K * N, 3), torch.float32, 0)
-        forces[row] = arrays.forces[src]
-        forces = forces.view(K, N, 3)
+        forces = torch.index_select(
+            arrays.forces, 0, source, out=output((K * N, 3), torch.float32)
+        ).view(K, N, 3)
 
     flat_slot = pack * slots + slot  # flat over K * G
-    y = empty((K * G,), torch.float32, 0)
+    y = output((K * G,), torch.float32).fill_(0)
     y[flat_slot] = arrays.y[molecules]
-    molecule_index = empty((K * G,), torch.int64, -1)
+    molecule_index = output((K * G,), torch.int64).fill_(-1)
     index = molecules if arrays.store_index is None else arrays.store_index[molecules]
     molecule_index[flat_slot] = index
-    graph_mask = empty((K * G,), torch.bool, False)
+    graph_mask = output((K * G,), torch.bool).fill_(False)
     graph_mask[flat_slot] = True
 
     edge_index = edge_mask = None
     if lay.max_edges is not None:
-        edge_index, edge_mask = _edges(arrays, layout, molecules, pack, atom_offset, padding, empty)
+        edge_index, edge_mask = _edges(
+            arrays, layout, molecules, pack, atom_offset, padding, output
+        )
     return Assembled(
         z=z.view(K, N),
         pos=pos,
@@ -247,7 +305,7 @@ def _edges(
     pack: Tensor,
     atom_offset: Tensor,
     padding: Tensor,
-    empty,
+    output,
 ) -> tuple[Tensor, Tensor]:
     """edge_index int64 [K, 2, E] and edge_mask bool [K, E] of the molecules' pairs.
 
@@ -258,22 +316,27 @@ def _edges(
     B, size = layout.packs_per_batch, layout.max_nodes
     K, half = padding.shape[0], B * layout.max_edges // 2
     count = arrays.pair_count[molecules]
-    pairs = _Items(count)  # in batch order, so each batch's pairs are one run
-    source = pairs.ranges(arrays.pair_start[molecules])
-    base = pairs.repeat(pack % B * size + atom_offset)
-    first = base + arrays.pair_i[source]
-    second = base + arrays.pair_j[source]
+    columns = _PaddedRuns(pack // B, K, count, half)  # the K * half columns of a direction
+    source = columns.ranges(arrays.pair_start[molecules], len(arrays.pair_ij) - 1)
+    filler = padding.to(torch.uint8).argmax(1)  # first padding atom, 0 when there is none
+    # Both atoms of a pair travel as one integer twice as wide as a batch's atom rows, so
+    # one gather, one add and one same-dtype pass serve both (no carry: rows < 2**15 or 2**31)
+    node = _node_dtype(B * size)
+    first_atom = (pack % B * size + atom_offset).to(node)
+    both = torch.stack([first_atom, first_atom], 1).view(_TWICE_AS_WIDE[node]).view(-1)
+    padding_both = torch.stack([filler.to(node), filler.to(node)], 1).view(both.dtype).view(-1)
+    rows = columns.repeat(both, padding_both, both.dtype)  # [K * half] first atom, twice
+    table = arrays.pair_ij.view(_TWICE_AS_WIDE[arrays.pair_ij.dtype]).view(-1)
+    local = table.index_select(0, source).view(arrays.pair_ij.dtype).view(-1, 2).to(node)
+    atoms = local.view(both.dtype).view(-1).add_(rows).view(node).view(K, half, 2)  # (i, j)
+    edge_index = output((K, 2, 2, half), torch.int64)  # [batch, row, direction, column]
+    for row, direction, atom in [(0, 0, 0), (1, 0, 1), (0, 1, 1), (1, 1, 0)]:
+        edge_index[:, row, direction] = atoms[..., atom]
     batch_pairs = torch.zeros(K, dtype=torch.int64, device=count.device)
     batch_pairs.index_add_(0, pack // B, count)
-    real = torch.arange(half, device=count.device) < batch_pairs.unsqueeze(1)  # [K, half]
-    filler = padding.to(torch.uint8).argmax(1)  # first padding atom, 0 when there is none
-    edge_index = empty((K, 2, 2, half), torch.int64)  # [batch, row, direction, column]
-    edge_index.copy_(filler.view(K, 1, 1, 1).expand(K, 2, 2, half))
-    edge_index[:, 0, 0].masked_scatter_(real, first)
-    edge_index[:, 1, 0].masked_scatter_(real, second)
-    edge_index[:, 0, 1].masked_scatter_(real, second)
-    edge_index[:, 1, 1].masked_scatter_(real, first)
-    edge_mask = empty((K, 2, half), torch.bool).copy_(real.unsqueeze(1).expand(K, 2, half))
+    edge_mask = output((K, 2, half), torch.bool)
+    torch.lt(torch.arange(half, device=count.device), batch_pairs.unsqueeze(1), out=edge_mask[:, 0])
+    edge_mask[:, 1] = edge_mask[:, 0]
     return edge_index.view(K, 2, 2 * half), edge_mask.view(K, 2 * half)
 
 
