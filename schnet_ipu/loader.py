@@ -1,6 +1,6 @@
 """Packs -> fixed-shape batches, assembled many at a time by array programs.
 
-One epoch is a list of packs (from :func:`schnet_ipu.packing.assign_packs_flat`, re-drawn
+One epoch is a list of packs (from :class:`schnet_ipu.packing.PackSlots`, re-drawn
 per epoch), cut into micro-batches of B packs. A host call takes ``device_iterations x
 gradient_accumulation`` micro-batches per replica, and replica r of R reads its own
 share: global micro-batch ``(call * R + r) * calls_micro + j``. The epoch is padded at
@@ -33,7 +33,7 @@ from schnet_ipu.data import MoleculeStore
 from schnet_ipu.data.graphs import molecule_pairs
 from schnet_ipu.data.pairs import RadiusPairs, radius_pairs
 from schnet_ipu.feed import Assembled, FeedArrays, LoaderError, assemble
-from schnet_ipu.packing import PackPlan, assign_packs_flat
+from schnet_ipu.packing import PackPlan, PackSlots
 from schnet_ipu.packing.balance import DEFAULT_COST, loader_order
 
 __all__ = [
@@ -132,6 +132,7 @@ class PackedDataset:
         self.arrays = arrays or FeedArrays.from_store(
             store, targets, None if layout.cutoff is None else radius_pairs(store, layout.cutoff)
         )
+        self.slots = PackSlots(plan, self.node_counts, edge_counts)
         self._packs_epoch: int | None = None
         self._packs: tuple[Tensor, Tensor, Tensor] | None = None
 
@@ -155,9 +156,7 @@ class PackedDataset:
         int64 [M] in pack order, and each pack's first position and length, int64 [P]."""
         if self._packs_epoch != epoch:
             draw = epoch if self.shuffle else 0
-            local, lengths = assign_packs_flat(
-                self.plan, self.node_counts, self.edge_counts, self.seed, draw
-            )
+            local, lengths = self.slots.draw(self.seed, draw)
             starts = np.cumsum(lengths) - lengths
             if self.layout.replica_balance == "cost_model" and self.layout.replicas > 1:
                 starts, lengths = self._group_by_cost(local, starts, lengths, epoch)

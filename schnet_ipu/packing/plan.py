@@ -25,7 +25,13 @@ from schnet_ipu.packing.strategy import (
 )
 from schnet_ipu.packing.tuple_packing import pair_histogram, tuple_pack
 
-__all__ = ["PackPlan", "PackingError", "assign_packs", "assign_packs_flat", "plan_packing"]
+__all__ = [
+    "PackPlan",
+    "PackSlots",
+    "PackingError",
+    "assign_packs",
+    "plan_packing",
+]
 
 ALGORITHMS = ("lpfhp", "tuple", "pad_to_max")
 
@@ -157,39 +163,62 @@ def assign_packs(
     appears in exactly one pack. Raises :class:`PackingError` if the sizes do not match the
     plan (a plan made for other data).
     """
-    molecules, lengths = assign_packs_flat(plan, node_counts, edge_counts, seed, epoch)
+    molecules, lengths = PackSlots(plan, node_counts, edge_counts).draw(seed, epoch)
     return np.split(molecules, np.cumsum(lengths)[:-1])
 
 
-def assign_packs_flat(
-    plan: PackPlan,
-    node_counts: np.ndarray,
-    edge_counts: np.ndarray | None,
-    seed: int,
-    epoch: int,
-) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`assign_packs` without a Python object per pack: (molecules int64 [M], the
-    packs' molecules one after the other; lengths int64 [num_packs], molecules per pack)."""
-    node_counts = np.asarray(node_counts, dtype=np.int64)
-    edge_counts = None if edge_counts is None else np.asarray(edge_counts, dtype=np.int64)
-    check_sizes(node_counts, edge_counts)
-    keys, template_keys = _slot_keys(plan, node_counts, edge_counts)
-    slot_keys = np.concatenate([np.tile(t, c) for t, c in zip(template_keys, plan.counts)])
-    if len(slot_keys) != len(keys):
-        raise PackingError(
-            f"plan has {len(slot_keys)} molecule slots but {len(keys)} molecules were given"
-        )
-    rng = np.random.default_rng([seed, epoch])
-    shuffled = rng.permutation(len(keys))
-    molecules = shuffled[np.argsort(keys[shuffled], kind="stable")]
-    slots = np.argsort(slot_keys, kind="stable")
-    if not np.array_equal(keys[molecules], slot_keys[slots]):
-        raise PackingError("molecule sizes do not match the plan's slots; re-plan for this data")
-    filled = np.empty_like(molecules)
-    filled[slots] = molecules
-    lengths = np.repeat([len(t) for t in plan.templates], plan.counts).astype(np.int64)
-    order = rng.permutation(len(lengths))
-    starts = (np.cumsum(lengths) - lengths)[order]
-    lengths = lengths[order]
-    within = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    return filled[np.repeat(starts, lengths) + within], lengths
+class PackSlots:
+    """The epoch-independent part of :func:`assign_packs`, worked out once: which
+    template slot takes which size of molecule. :meth:`draw` then fills the slots for an
+    epoch with a shuffle and a stable sort per epoch.
+
+    Raises :class:`PackingError` if the sizes do not match the plan (a plan made for other
+    data).
+    """
+
+    def __init__(
+        self, plan: PackPlan, node_counts: np.ndarray, edge_counts: np.ndarray | None
+    ) -> None:
+        node_counts = np.asarray(node_counts, dtype=np.int64)
+        edge_counts = None if edge_counts is None else np.asarray(edge_counts, dtype=np.int64)
+        check_sizes(node_counts, edge_counts)
+        keys, template_keys = _slot_keys(plan, node_counts, edge_counts)
+        template_sizes = np.array([len(t) for t in template_keys], dtype=np.int64)
+        self.lengths = np.repeat(template_sizes, plan.counts)  # [num_packs]
+        # every copy of every template, one after the other: [sum of lengths] slot keys
+        template_of_pack = np.repeat(np.arange(len(template_keys)), plan.counts)
+        flat = np.concatenate([np.zeros(0, np.int64), *template_keys])
+        slot_keys = flat[_ranges(_exclusive_cumsum(template_sizes)[template_of_pack], self.lengths)]
+        if len(slot_keys) != len(keys):
+            raise PackingError(
+                f"plan has {len(slot_keys)} molecule slots but {len(keys)} molecules were given"
+            )
+        # sizes as dense ranks in a small dtype: the same stable order, a faster sort
+        sizes, ranks = np.unique(np.concatenate([keys, slot_keys]), return_inverse=True)
+        ranks = ranks.reshape(-1).astype(np.uint16 if len(sizes) < 2**16 else np.int64)
+        self.ranks, slot_ranks = ranks[: len(keys)], ranks[len(keys) :]
+        self.slot_order = np.argsort(slot_ranks, kind="stable")
+        if not np.array_equal(np.sort(self.ranks), slot_ranks[self.slot_order]):
+            raise PackingError(
+                "molecule sizes do not match the plan's slots; re-plan for this data"
+            )
+
+    def draw(self, seed: int, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """The epoch's packs: (molecules int64 [M] pack after pack, lengths int64 [num_packs])."""
+        rng = np.random.default_rng([seed, epoch])
+        shuffled = rng.permutation(len(self.ranks))
+        molecules = shuffled[np.argsort(self.ranks[shuffled], kind="stable")]
+        filled = np.empty_like(molecules)
+        filled[self.slot_order] = molecules
+        order = rng.permutation(len(self.lengths))
+        lengths = self.lengths[order]
+        return filled[_ranges(_exclusive_cumsum(self.lengths)[order], lengths)], lengths
+
+
+def _exclusive_cumsum(counts: np.ndarray) -> np.ndarray:
+    return np.cumsum(counts) - counts
+
+
+def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenated ``arange(s, s + l)`` for every (s, l) of ``starts``/``lengths`` [S]."""
+    return np.repeat(starts - _exclusive_cumsum(lengths), lengths) + np.arange(lengths.sum())
