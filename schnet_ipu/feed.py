@@ -46,7 +46,7 @@ class FeedArrays:
     atom_start: Tensor  # int64 [M] first atom of each molecule
     num_atoms: Tensor  # int64 [M]
     y: Tensor  # float32 [M] targets
-    pair_ij: Tensor | None  # uint8 (or wider) [P + 1, 2] local (i, j), i < j, radius graphs
+    pair_ij: Tensor | None  # int16 (or int32) [P + 1, 2] local (i, j), i < j, radius graphs
     # only; entry P is the padding pair (0, 0)
     pair_start: Tensor | None  # int64 [M] first pair of each molecule
     pair_count: Tensor | None  # int64 [M]
@@ -126,10 +126,10 @@ class FeedArrays:
 
 
 def _pair_table(pairs: RadiusPairs) -> np.ndarray:
-    """[P, 2] local (i, j) in uint8, int16 or int32, the narrowest that holds them (dtypes
-    whose two-column rows read as one torch integer)."""
-    largest = max(int(pairs.j.max(initial=0)), 0)
-    dtype = np.uint8 if largest < 2**8 else np.int16 if largest < 2**15 else np.int32
+    """[P, 2] local (i, j) as int16 (int32 for molecules of 2**15 atoms or more): the dtype
+    of a batch's atom rows, so that a gathered pair needs no conversion before its offset."""
+    largest = int(pairs.j.max(initial=0))
+    dtype = np.int16 if largest < 2**15 else np.int32
     return np.stack([pairs.i.astype(dtype), pairs.j.astype(dtype)], 1)
 
 
@@ -161,7 +161,7 @@ def _exclusive_cumsum(counts: Tensor) -> Tensor:
     return counts.cumsum(0) - counts
 
 
-_TWICE_AS_WIDE = {torch.uint8: torch.int16, torch.int16: torch.int32, torch.int32: torch.int64}
+_TWICE_AS_WIDE = {torch.int16: torch.int32, torch.int32: torch.int64}
 
 
 def _node_dtype(atoms: int) -> torch.dtype:
@@ -186,17 +186,14 @@ class _PaddedRuns:
     fill, one small scatter and one cumsum over the positions; no scatter or mask per item).
     """
 
-    def __init__(self, group: Tensor, groups: int, lengths: Tensor, width: int) -> None:
-        dev, count = group.device, len(group)
+    def __init__(self, group: Tensor, lengths: Tensor, used: Tensor, width: int) -> None:
+        """``used`` [groups]: positions the items of each group take (at most ``width``)."""
+        dev, count, groups = group.device, len(group), len(used)
         self.groups, self.total = groups, groups * width
-        used = torch.zeros(groups, dtype=torch.int64, device=dev).index_add_(0, group, lengths)
         through = torch.bincount(group, minlength=groups).cumsum(0)  # items in groups <= g
         self.item_at = torch.arange(count, device=dev) + group  # place among the runs
         self.pad_at = through + torch.arange(groups, device=dev)
-        lengths = self.interleave(lengths, width - used)
-        first = _exclusive_cumsum(lengths)
-        self.owns = first < self.total  # runs with positions (all but trailing empty ones)
-        self.first = first[self.owns]
+        self.first = _exclusive_cumsum(self.interleave(lengths, width - used))  # [runs]
 
     def interleave(self, items: Tensor, padding: Tensor | int) -> Tensor:
         """Per-run values: ``items`` [T] for the item runs, ``padding`` (scalar or [groups])."""
@@ -207,10 +204,11 @@ class _PaddedRuns:
 
     def _positions(self, values: Tensor, slope: int, dtype: torch.dtype) -> Tensor:
         """[total]: ``values[run] + slope * rank`` at each position (``values`` per run)."""
-        offset = (values[self.owns] - slope * self.first).to(dtype)  # value at position 0
-        step = torch.full((self.total,), slope, dtype=dtype, device=values.device)
-        step.index_add_(0, self.first, offset.diff(prepend=offset.new_full((1,), slope)))
-        return step.cumsum(0, dtype=dtype)
+        offset = (values - slope * self.first).to(dtype)  # each run's line, at position 0
+        step = offset.new_full((self.total + 1,), slope)  # + 1: trailing empty runs land there
+        change = offset.diff(prepend=offset.new_full((1,), slope))
+        step.index_add_(0, self.first, change)
+        return step[:-1].cumsum(0, dtype=dtype)
 
     def repeat(self, items: Tensor, padding: Tensor | int, dtype: torch.dtype) -> Tensor:
         """[total]: each run's value (``items`` [T] / ``padding``) at each of its positions."""
@@ -242,11 +240,16 @@ def assemble(
     pack = torch.repeat_interleave(
         torch.arange(P, device=dev), pack_lengths, output_size=count
     )  # [T] flat pack (k * B + p) of each molecule
+    n = arrays.num_atoms.index_select(0, molecules)
+    pack_atoms = torch.zeros(P, dtype=torch.int64, device=dev).index_add_(0, pack, n)
+    pairs = pack_pairs = None
+    if lay.max_edges is not None:
+        pairs = arrays.pair_count.index_select(0, molecules)
+        pack_pairs = torch.zeros(P, dtype=torch.int64, device=dev).index_add_(0, pack, pairs)
+    _check_fits(arrays, layout, molecules, pack_lengths, pack_atoms, pack_pairs)
     slot = torch.arange(count, device=dev) - _exclusive_cumsum(pack_lengths)[pack]
-    n = arrays.num_atoms[molecules]
     first_atom = _exclusive_cumsum(n)
     atom_offset = first_atom - first_atom[_exclusive_cumsum(pack_lengths)[pack]]
-    _check_fits(arrays, layout, molecules, pack, slot, n, atom_offset + n, P)
 
     def output(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
         return torch.empty(shape, dtype=dtype, device=dev, pin_memory=pin and dev.type == "cpu")
@@ -254,7 +257,7 @@ def assemble(
     def pinned(value: Tensor) -> Tensor:
         return output(value.shape, value.dtype).copy_(value) if pin else value
 
-    rows = _PaddedRuns(pack, P, n, size)  # the K * N atom rows
+    rows = _PaddedRuns(pack, n, pack_atoms, size)  # the K * N atom rows
     source = rows.ranges(arrays.atom_start[molecules], len(arrays.z) - 1)
     z = output((K * N,), torch.int64).copy_(arrays.z.index_select(0, source))
     pos = torch.index_select(arrays.pos, 0, source, out=output((K * N, 3), torch.float32))
@@ -282,7 +285,7 @@ def assemble(
     edge_index = edge_mask = None
     if lay.max_edges is not None:
         edge_index, edge_mask = _edges(
-            arrays, layout, molecules, pack, atom_offset, padding, output
+            arrays, layout, molecules, pack, pairs, pack_pairs, atom_offset, padding, output
         )
     return Assembled(
         z=z.view(K, N),
@@ -303,11 +306,14 @@ def _edges(
     layout: Layout,
     molecules: Tensor,
     pack: Tensor,
+    pairs: Tensor,
+    pack_pairs: Tensor,
     atom_offset: Tensor,
     padding: Tensor,
     output,
 ) -> tuple[Tensor, Tensor]:
-    """edge_index int64 [K, 2, E] and edge_mask bool [K, E] of the molecules' pairs.
+    """edge_index int64 [K, 2, E] and edge_mask bool [K, E] of the molecules' pairs
+    (``pairs`` [T] per molecule, ``pack_pairs`` [K * B] per pack).
 
     Each batch's forward pairs fill columns [0, its pairs) of the first half in molecule
     order, the reversed pairs the same columns of the second half; the rest join the batch's
@@ -315,9 +321,10 @@ def _edges(
     """
     B, size = layout.packs_per_batch, layout.max_nodes
     K, half = padding.shape[0], B * layout.max_edges // 2
-    count = arrays.pair_count[molecules]
-    columns = _PaddedRuns(pack // B, K, count, half)  # the K * half columns of a direction
-    source = columns.ranges(arrays.pair_start[molecules], len(arrays.pair_ij) - 1)
+    batch_pairs = pack_pairs.view(K, B).sum(1)
+    columns = _PaddedRuns(pack // B, pairs, batch_pairs, half)  # K * half columns a direction
+    starts = arrays.pair_start.index_select(0, molecules)
+    source = columns.ranges(starts, len(arrays.pair_ij) - 1)
     filler = padding.to(torch.uint8).argmax(1)  # first padding atom, 0 when there is none
     # Both atoms of a pair travel as one integer twice as wide as a batch's atom rows, so
     # one gather, one add and one same-dtype pass serve both (no carry: rows < 2**15 or 2**31)
@@ -332,10 +339,8 @@ def _edges(
     edge_index = output((K, 2, 2, half), torch.int64)  # [batch, row, direction, column]
     for row, direction, atom in [(0, 0, 0), (1, 0, 1), (0, 1, 1), (1, 1, 0)]:
         edge_index[:, row, direction] = atoms[..., atom]
-    batch_pairs = torch.zeros(K, dtype=torch.int64, device=count.device)
-    batch_pairs.index_add_(0, pack // B, count)
     edge_mask = output((K, 2, half), torch.bool)
-    torch.lt(torch.arange(half, device=count.device), batch_pairs.unsqueeze(1), out=edge_mask[:, 0])
+    torch.lt(torch.arange(half, device=pairs.device), batch_pairs.unsqueeze(1), out=edge_mask[:, 0])
     edge_mask[:, 1] = edge_mask[:, 0]
     return edge_index.view(K, 2, 2 * half), edge_mask.view(K, 2 * half)
 
@@ -344,39 +349,43 @@ def _check_fits(
     arrays: FeedArrays,
     layout: Layout,
     molecules: Tensor,
-    pack: Tensor,
-    slot: Tensor,
-    n: Tensor,
-    atom_end: Tensor,
-    num_packs: int,
+    pack_lengths: Tensor,
+    pack_atoms: Tensor,
+    pack_pairs: Tensor | None,
 ) -> None:
-    """LoaderError for a molecule too large for any pack, or a pack over its limits."""
+    """LoaderError for a molecule too large for any pack, or a pack over its limits, given
+    each pack's molecules, atoms and (radius graphs) pairs, [K * B] each. One test when all
+    fit (a molecule over a limit puts its pack over it); the failing molecule is then found."""
     lay = layout
-    checks = [(n, atom_end, lay.max_nodes, "atoms", "max_nodes")]
-    if lay.max_edges is not None:
-        edges = 2 * arrays.pair_count[molecules]
-        per_pack = torch.zeros(num_packs, dtype=torch.int64, device=n.device)
-        per_pack.index_add_(0, pack, edges)
-        checks.append((edges, per_pack[pack], lay.max_edges, "edges", "max_edges"))
-    for own, in_pack, limit, what, key in checks:
+    over = (pack_atoms > lay.max_nodes) | (pack_lengths > lay.max_graphs)
+    if pack_pairs is not None:
+        over |= 2 * pack_pairs > lay.max_edges
+    if not bool(over.any()):
+        return
+    pack = torch.repeat_interleave(torch.arange(len(pack_lengths)), pack_lengths.cpu())
+    molecules, first = molecules.cpu(), _exclusive_cumsum(pack_lengths.cpu())
+    n = arrays.num_atoms.cpu()[molecules]
+    checks = [(n, "atoms", "max_nodes", lay.max_nodes)]
+    if pack_pairs is not None:
+        checks.append((2 * arrays.pair_count.cpu()[molecules], "edges", "max_edges", lay.max_edges))
+    for own, what, key, limit in checks:
         too_big = torch.nonzero(own > limit)
         if len(too_big):
-            m = int(molecules[too_big[0, 0]])
+            t = int(too_big[0, 0])
             raise LoaderError(
-                f"{arrays.name(m)} has {int(own[too_big[0, 0]])} {what}, more than a pack "
+                f"{arrays.name(int(molecules[t]))} has {int(own[t])} {what}, more than a pack "
                 f"holds ({key}={limit}); raise packing.{key} or drop the molecule"
             )
-        over = torch.nonzero(in_pack > limit)
-        if len(over):
-            t = int(over[0, 0])
+        running = own.cumsum(0)
+        in_pack = running - (running - own)[first[pack]]  # the pack's total up to each molecule
+        reached = torch.nonzero(in_pack > limit)
+        if len(reached):
+            t = int(reached[0, 0])
             raise LoaderError(
                 f"pack {int(pack[t]) % lay.packs_per_batch} holds {int(in_pack[t])} {what} > "
                 f"{limit} ({key}), reached at {arrays.name(int(molecules[t]))}"
             )
-    over = torch.nonzero(slot >= lay.max_graphs)
-    if len(over):
-        t = int(over[0, 0])
-        raise LoaderError(
-            f"pack {int(pack[t]) % lay.packs_per_batch} holds more than {lay.max_graphs} "
-            "molecules (max_graphs)"
-        )
+    p = int(torch.nonzero(pack_lengths.cpu() > lay.max_graphs)[0, 0])
+    raise LoaderError(
+        f"pack {p % lay.packs_per_batch} holds more than {lay.max_graphs} molecules (max_graphs)"
+    )

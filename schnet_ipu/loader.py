@@ -135,6 +135,8 @@ class PackedDataset:
         self.slots = PackSlots(plan, self.node_counts, edge_counts)
         self._packs_epoch: int | None = None
         self._packs: tuple[Tensor, Tensor, Tensor] | None = None
+        self._order_epoch: int | None = None
+        self._order: tuple[Tensor, Tensor, list[int]] | None = None
 
     # --- sizes -----------------------------------------------------------------------------
 
@@ -197,23 +199,41 @@ class PackedDataset:
         call, j = divmod(i, lay.micro_per_call)
         return (call * lay.replicas + lay.replica) * lay.micro_per_call + j
 
+    def batch_order(self, epoch: int) -> tuple[Tensor, Tensor, list[int]]:
+        """This replica's micro-batches of ``epoch`` flat, on the arrays' device (cached per
+        epoch): store indices int64 [T] batch after batch, pack lengths int64 [len(self) * B]
+        (0 for the empty packs past the epoch's end), and where each micro-batch's molecules
+        start, [len(self) + 1]."""
+        if self._order_epoch != epoch:
+            lay = self.layout
+            molecules, starts, lengths = self.packs(epoch)
+            device = molecules.device
+            i = torch.arange(len(self), device=device)
+            call, j = i // lay.micro_per_call, i % lay.micro_per_call
+            micro = (call * lay.replicas + lay.replica) * lay.micro_per_call + j
+            pack = (
+                micro.unsqueeze(1) * lay.packs_per_batch
+                + torch.arange(lay.packs_per_batch, device=device)
+            ).view(-1)
+            real = pack < len(lengths)  # packs past the epoch's end stay empty
+            pack = pack.clamp(max=len(lengths) - 1)
+            pack_lengths = torch.where(real, lengths[pack], 0)
+            per_batch = pack_lengths.view(-1, lay.packs_per_batch).sum(1)
+            first = [0, *per_batch.cumsum(0).tolist()]
+            self._order = (molecules[_ranges(starts[pack], pack_lengths)], pack_lengths, first)
+            self._order_epoch = epoch
+        return self._order
+
     def assemble(self, epoch: int, first: int, stop: int, pin: bool = False) -> Assembled:
         """This replica's micro-batches [first, stop) of ``epoch``, stacked."""
-        lay = self.layout
-        molecules, starts, lengths = self.packs(epoch)
-        device = molecules.device
-        i = torch.arange(first, stop, device=device)
-        call, j = i // lay.micro_per_call, i % lay.micro_per_call
-        micro = (call * lay.replicas + lay.replica) * lay.micro_per_call + j
-        pack = (
-            micro.unsqueeze(1) * lay.packs_per_batch
-            + torch.arange(lay.packs_per_batch, device=device)
-        ).view(-1)
-        real = pack < len(lengths)  # packs past the epoch's end stay empty
-        pack = pack.clamp(max=len(lengths) - 1)
-        pack_lengths = torch.where(real, lengths[pack], 0)
+        molecules, pack_lengths, start = self.batch_order(epoch)
+        B = self.layout.packs_per_batch
         return assemble(
-            self.arrays, lay, molecules[_ranges(starts[pack], pack_lengths)], pack_lengths, pin
+            self.arrays,
+            self.layout,
+            molecules[start[first] : start[stop]],
+            pack_lengths[first * B : stop * B],
+            pin,
         )
 
     def __getitem__(self, key: tuple[int, int]) -> Batch:
@@ -343,23 +363,25 @@ class PackedLoader:
         """Host calls of an epoch, from ``start_call`` on (a resumed epoch skips the rest)."""
         micro = self.dataset.layout.micro_per_call
         call: list[Batch] = []
-        for batch in self._batches(epoch, start_call * micro):
-            self.check_shape(batch)
-            call.append(batch)
-            if len(call) == micro:
-                yield call
-                call = []
+        for chunk in self._chunks(epoch, start_call * micro):
+            self.check_shape(chunk[0])  # the rows of a chunk share its shapes
+            for batch in chunk:
+                call.append(batch)
+                if len(call) == micro:
+                    yield call
+                    call = []
 
-    def _batches(self, epoch: int, first: int) -> Iterator[Batch]:
+    def _chunks(self, epoch: int, first: int) -> Iterator[list[Batch]]:
+        """The epoch's batches from micro-batch ``first`` on, a chunk (list) at a time."""
         total = len(self.dataset)
         bounds = [
             (a, min(a + self.chunk_batches, total)) for a in range(first, total, self.chunk_batches)
         ]
         if self._pool is None:
             for a, b in bounds:
-                yield from unstack(self.dataset.assemble(epoch, a, b, self.pin))
+                yield unstack(self.dataset.assemble(epoch, a, b, self.pin))
             return
-        self.dataset.packs(epoch)  # drawn once here, not raced for by the threads
+        self.dataset.batch_order(epoch)  # worked out once here, not raced for by the threads
         chunks = iter(bounds)
         pending: deque = deque()
 
@@ -373,7 +395,7 @@ class PackedLoader:
         while pending:
             assembled = pending.popleft().result()
             submit()
-            yield from unstack(assembled)
+            yield unstack(assembled)
 
     def check_shape(self, batch: Batch) -> None:
         signature = batch.signature()
