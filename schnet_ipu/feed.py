@@ -97,7 +97,7 @@ class FeedArrays:
             atom_start=offsets[:-1],
             num_atoms=offsets.diff(),
             y=torch.from_numpy(np.asarray(targets)).to(torch.float32),
-            pair_ij=None if pairs is None else _with_zero_entry(_pair_table(pairs)),
+            pair_ij=None if pairs is None else _pair_table(pairs),
             pair_start=None if pairs is None else pair_offsets[:-1],
             pair_count=None if pairs is None else pair_offsets.diff(),
             ids=np.asarray(ids, dtype=np.int64),
@@ -125,12 +125,17 @@ class FeedArrays:
         return f"molecule {molecule} (record {int(self.ids[molecule])}) of {self.source}"
 
 
-def _pair_table(pairs: RadiusPairs) -> np.ndarray:
-    """[P, 2] local (i, j) as int16 (int32 for molecules of 2**15 atoms or more): the dtype
-    of a batch's atom rows, so that a gathered pair needs no conversion before its offset."""
-    largest = int(pairs.j.max(initial=0))
-    dtype = np.int16 if largest < 2**15 else np.int32
-    return np.stack([pairs.i.astype(dtype), pairs.j.astype(dtype)], 1)
+def _pair_table(pairs: RadiusPairs) -> Tensor:
+    """[P + 1, 2] local (i, j) as int16 (int32 for molecules of 2**15 atoms or more, the dtype
+    of a batch's atom rows: a gathered pair needs no conversion), ending in the padding
+    pair (0, 0)."""
+    dtype = torch.int16 if int(pairs.j.max(initial=0)) < 2**15 else torch.int32
+    table = torch.zeros((len(pairs.i) + 1, 2), dtype=dtype)
+    for column, local in enumerate((pairs.i, pairs.j)):
+        if local.dtype != np.uint8:
+            local = local.astype(np.int32)  # torch 2.0 has no uint16
+        table[:-1, column] = torch.from_numpy(local)
+    return table
 
 
 def _with_zero_entry(values: np.ndarray) -> Tensor:
