@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from schnet_ipu.data import MoleculeStore, edge_counts, import_qm9, write_store
+from schnet_ipu.data.graphs import molecule_pairs
 from schnet_ipu.loader import (
     Layout,
     LoaderError,
@@ -244,3 +245,75 @@ def test_forces_are_gathered_like_positions(store, tmp_path):
             m = int(b.molecule_index[slot])
             want = forces[store.offsets[m] : store.offsets[m + 1]]
             assert torch.equal(b.forces[b.graph == slot], torch.from_numpy(want))
+
+
+def reference_batch(packs: list[list[PackMolecule]], layout: Layout) -> dict[str, torch.Tensor]:
+    """The batch of ``packs`` written out atom by atom and pair by pair from the conventions
+    in schnet_ipu.batch, with its own distance test (float32, x + y + z, <= cutoff**2)."""
+    B, size, slots = layout.packs_per_batch, layout.max_nodes, layout.max_graphs
+    N, G, E = B * size, B * slots, B * layout.max_edges
+    z, pos, graph = np.zeros(N, np.int64), np.zeros((N, 3), np.float32), np.full(N, G)
+    y, graph_mask, index = np.zeros(G, np.float32), np.zeros(G, bool), np.full(G, -1)
+    forward = []
+    limit = np.float32(layout.cutoff) * np.float32(layout.cutoff)
+    for p, pack in enumerate(packs):
+        row = p * size
+        for s, m in enumerate(pack):
+            slot = p * slots + s
+            y[slot], graph_mask[slot], index[slot] = m.y, True, m.index
+            xyz = np.asarray(m.pos, np.float32)
+            for i in range(len(m.z)):
+                z[row + i], pos[row + i], graph[row + i] = m.z[i], xyz[i], slot
+                for j in range(i + 1, len(m.z)):
+                    d = xyz[i] - xyz[j]
+                    if d[0] * d[0] + d[1] * d[1] + d[2] * d[2] <= limit:
+                        forward.append((row + i, row + j))
+            row += len(m.z)
+    padding = np.flatnonzero(graph == G)
+    pos[padding, 0] = 1000.0 + 100.0 * np.arange(len(padding))
+    filler = padding[0] if len(padding) else 0
+    half = np.full((2, E // 2), filler)
+    half[:, : len(forward)] = np.array(forward, dtype=np.int64).reshape(-1, 2).T
+    mask = np.arange(E // 2) < len(forward)
+    return {
+        "z": torch.from_numpy(z),
+        "pos": torch.from_numpy(pos),
+        "graph": torch.from_numpy(graph),
+        "node_mask": torch.from_numpy(graph < G),
+        "y": torch.from_numpy(y),
+        "graph_mask": torch.from_numpy(graph_mask),
+        "molecule_index": torch.from_numpy(index),
+        "edge_index": torch.from_numpy(np.concatenate([half, half[::-1]], 1)),
+        "edge_mask": torch.from_numpy(np.concatenate([mask, mask])),
+    }
+
+
+def test_assembly_equals_a_batch_written_out_by_hand(store):
+    """Edge cases of the array program against the conventions written out one by one:
+    empty packs, a lone atom and a far-apart pair (no pairs), a pack and a batch exactly full
+    (no padding atom: padding edges join atom 0; no padding edge at all)."""
+    targets = store.target("U0")
+    real = [PackMolecule(*store.molecule(m), float(targets[m]), m) for m in range(12)]
+    lone = PackMolecule(np.array([1], np.uint8), np.zeros((1, 3), np.float32), -1.5, -1)
+    apart = np.array([[0, 0, 0], [CUTOFF + 1e-3, 0, 0]], np.float32)
+    far = PackMolecule(np.array([8, 1], np.uint8), apart, 2.5, -1)
+    full = [[real[7]], [real[7]], [real[7]]]  # every pack full: no padding atom
+    cases = [  # (packs, spare directed edges per pack)
+        ([[real[0], lone], [], [far, real[1], real[3]]], 0),
+        (full, 0),  # and no padding edge
+        (full, 2),  # padding edges join atom 0
+        ([[real[4], real[5]], [real[6]], []], 4),
+    ]
+    for packs, spare in cases:
+        pairs = [sum(len(molecule_pairs(m.pos, CUTOFF)[0]) for m in pack) for pack in packs]
+        layout = Layout(
+            packs_per_batch=3,
+            max_nodes=max(sum(len(m.z) for m in pack) for pack in packs),
+            max_graphs=max(len(pack) for pack in packs),
+            max_edges=max(2 * max(pairs), 2) + spare,
+            cutoff=CUTOFF,
+        )
+        batch = collate(packs, layout)
+        for name, expected in reference_batch(packs, layout).items():
+            got = getattr(batch, name)
+            assert got.dtype == expected.dtype and torch.equal(got, expected), name
