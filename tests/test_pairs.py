@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import numpy as np
 import pytest
 import torch
 
+from schnet_ipu.config import load_config
 from schnet_ipu.data import MoleculeStore, edge_counts, import_qm9, radius_pairs, write_store
 from schnet_ipu.data.graphs import molecule_pairs
 from schnet_ipu.data.pairs import RadiusPairs, build_pairs, pairs_path
+from schnet_ipu.feed import FeedArrays
+from schnet_ipu.pipeline import prepare_data
 
 CUTOFF = 3.0
 
@@ -177,3 +181,33 @@ def test_the_build_keeps_the_float32_arithmetic_at_the_cutoff(tmp_path, monkeypa
     assert_same(build_pairs(store, cutoff), expected)
     monkeypatch.setattr(module, "_BLOCK_ELEMENTS", 1000)  # many runs, mixed widths
     assert_same(build_pairs(store, cutoff), expected)
+
+
+def test_a_cold_radius_run_reads_the_atoms_once_and_feeds_the_same(
+    qm9_store, tmp_path, monkeypatch
+):
+    path = tmp_path / "qm9.h5"
+    shutil.copy(qm9_store, path)  # no pairs file yet: preparing builds it
+    reads = []
+    read_all = MoleculeStore._read_all
+
+    def counted(self, name):
+        reads.append(name)
+        return read_all(self, name)
+
+    monkeypatch.setattr(MoleculeStore, "_read_all", counted)
+    overrides = [f"data.path={path}", "data.subset=0", "data.val=100", "data.test=100"]
+    cfg = load_config(None, [*overrides, "model.graph=radius", f"logging.run_dir={tmp_path}"])
+    data = prepare_data(cfg)
+    feed = data.feed_arrays("cpu")
+    assert sorted(reads) == ["pos", "z"] and data.atoms is None  # dropped once fed
+    assert pairs_path(data.store, cfg.model.cutoff).is_file()
+
+    store = MoleculeStore(path)
+    fresh = FeedArrays.from_store(store, data.targets, radius_pairs(store, cfg.model.cutoff))
+    for field in dataclasses.fields(FeedArrays):
+        ours, theirs = getattr(feed, field.name), getattr(fresh, field.name)
+        if isinstance(ours, torch.Tensor):
+            assert torch.equal(ours, theirs), field.name
+        else:
+            np.testing.assert_array_equal(ours, theirs, err_msg=field.name)
