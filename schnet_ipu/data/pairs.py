@@ -19,6 +19,7 @@ import os
 import time
 import warnings
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,44 +106,60 @@ def build_pairs(
     """Every molecule's pairs i < j, by :func:`pairs_within_cutoff` (within_cutoff's test).
 
     ``positions`` float32 [A, 3]: the store's atoms when the caller has read them already
-    (``store.concatenated()``), else they are read here. Store order is walked in runs of
-    molecules; in a run, the molecules of n atoms are tested together on the n(n - 1) / 2
-    pairs of ``np.triu_indices(n, 1)`` (i, then j), and each molecule's results fill the
-    front of its row of a [run, widest] table, so one compress reads the kept pairs of the
-    run in store order.
+    (``store.concatenated()``), else they are read here. Store order is cut into runs of
+    molecules (:func:`_run_pairs`), tested on torch's intra-op threads' worth of Python
+    threads (torch and numpy release the GIL; runs are independent).
     """
     pos = store.concatenated()[1] if positions is None else positions
     coords = torch.from_numpy(np.ascontiguousarray(pos.T, dtype=np.float32))  # [3, A]: x, y, z
     sizes = store.num_atoms
     dtype = np.min_scalar_type(max(int(sizes.max()) - 1, 0))
+    tables = {n: _PairTable.of(n, dtype) for n in np.unique(sizes[sizes > 1]).tolist()}
     run = max(1, _BLOCK_ELEMENTS // max(_num_pairs(int(sizes.max())), 1))
-    tables: dict[int, _PairTable] = {}
-    counts = np.zeros(len(store), dtype=np.int64)
-    found = []  # per run: its kept pairs as codes
-    for lo in range(0, len(store), run):
-        run_sizes = sizes[lo : lo + run]
-        width = _num_pairs(int(run_sizes.max()))
-        keep = np.zeros((len(run_sizes), width), dtype=bool)
-        codes = np.empty((len(run_sizes), width), dtype=_CODE_DTYPES[dtype.itemsize])
-        order = np.argsort(run_sizes, kind="stable")
-        for rows in np.split(order, np.flatnonzero(np.diff(run_sizes[order])) + 1):
-            n = int(run_sizes[rows[0]])
-            if n < 2:
-                continue
-            if n not in tables:
-                tables[n] = _PairTable.of(n, dtype)
-            table = tables[n]
-            atoms = store.offsets[lo + rows][:, None] + np.arange(n)
-            x, y, z = coords.index_select(1, torch.from_numpy(atoms.ravel())).view(3, len(rows), n)
-            keep[rows, : len(table.code)] = pairs_within_cutoff(
-                x, y, z, table.i, table.j, cutoff
-            ).numpy()
-            codes[rows, : len(table.code)] = table.code
-        counts[lo : lo + run] = np.count_nonzero(keep, axis=1)
-        found.append(np.compress(keep.ravel(), codes.ravel()))
-    pair_ij = np.concatenate(found).view(dtype).reshape(-1, 2)
+
+    def test(lo: int) -> tuple[np.ndarray, np.ndarray]:
+        part = slice(lo, lo + run)
+        return _run_pairs(coords, store.offsets[part], sizes[part], cutoff, tables, dtype)
+
+    with ThreadPoolExecutor(torch.get_num_threads()) as pool:
+        done = list(pool.map(test, range(0, len(store), run)))
+    counts = np.concatenate([run_counts for run_counts, _ in done])
+    pair_ij = np.concatenate([codes for _, codes in done]).view(dtype).reshape(-1, 2)
     offsets = np.concatenate([[0], np.cumsum(counts)])
     return RadiusPairs(pair_ij[:, 0].copy(), pair_ij[:, 1].copy(), offsets, float(cutoff))
+
+
+def _run_pairs(
+    coords: Tensor,
+    starts: np.ndarray,
+    sizes: np.ndarray,
+    cutoff: float,
+    tables: dict[int, _PairTable],
+    dtype: np.dtype,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The pairs of a run of R molecules (first atoms ``starts`` [R], ``sizes`` [R]) in
+    ``coords`` [3, A]: int64 counts [R] and the kept (i, j) codes [P_run] (``dtype`` pairs
+    read as one integer), in store order.
+
+    The molecules of n atoms are tested together on the n(n - 1) / 2 pairs of
+    ``np.triu_indices(n, 1)`` (i, then j); each molecule's results fill the front of its row
+    of an [R, widest] table, so one compress reads the kept pairs molecule by molecule.
+    """
+    width = _num_pairs(int(sizes.max()))
+    keep = np.zeros((len(sizes), width), dtype=bool)
+    codes = np.empty((len(sizes), width), dtype=_CODE_DTYPES[dtype.itemsize])
+    order = np.argsort(sizes, kind="stable")
+    for rows in np.split(order, np.flatnonzero(np.diff(sizes[order])) + 1):
+        n = int(sizes[rows[0]])
+        if n < 2:
+            continue
+        table = tables[n]
+        atoms = torch.from_numpy((starts[rows][:, None] + np.arange(n)).ravel())
+        x, y, z = coords.index_select(1, atoms).view(3, len(rows), n)
+        found = pairs_within_cutoff(x, y, z, table.i, table.j, cutoff)
+        keep[rows, : len(table.code)] = found.numpy()
+        codes[rows, : len(table.code)] = table.code
+    return np.count_nonzero(keep, axis=1), np.compress(keep.ravel(), codes.ravel())
 
 
 def _num_pairs(n: int) -> int:
