@@ -57,6 +57,9 @@ class PreparedData:
     dressed_atoms: np.ndarray  # float64 [119] baseline energy per element (train fit)
     timings: dict[str, float]
     feeds: dict[str, FeedArrays] = field(default_factory=dict)  # device -> the loaders' arrays
+    # radius graphs: the store's (z [A], pos [A, 3]) as prepare_data read them, kept only
+    # until the CPU feed is built from them (one read of the atoms per run)
+    atoms: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False)
 
     @property
     def edge_counts(self) -> np.ndarray | None:
@@ -84,11 +87,20 @@ class PreparedData:
     def feed_arrays(self, device: str) -> FeedArrays:
         """The store's flat arrays for the loaders, once per device (see schnet_ipu.feed)."""
         if device not in self.feeds:
-            cpu = self.feeds.get("cpu") or FeedArrays.from_store(
-                self.store, self.targets, self.pairs
-            )
+            cpu = self.feeds.get("cpu") or self._cpu_feed()
             self.feeds[device] = cpu.to(device)
         return self.feeds[device]
+
+    def _cpu_feed(self) -> FeedArrays:
+        """FeedArrays.from_store, from the atoms prepare_data read (then dropped) if any."""
+        if self.atoms is None:
+            return FeedArrays.from_store(self.store, self.targets, self.pairs)
+        (z, pos), self.atoms = self.atoms, None
+        store = self.store
+        forces = store.forces() if store.has_forces else None
+        return FeedArrays.build(
+            z, pos, forces, store.offsets, self.targets, self.pairs, store.ids, str(store.path)
+        )
 
 
 def prepare_data(cfg: Config) -> PreparedData:
@@ -111,7 +123,10 @@ def prepare_data(cfg: Config) -> PreparedData:
         log.info("split: %s", ", ".join(f"{k} {len(v)}" for k, v in split.items()))
     with stage("targets", timings):
         targets = store.target(cfg.data.target).astype(np.float64)
-        counts = element_counts(store.atomic_numbers(), store.offsets)
+        # radius graphs: read the atoms once, for the counts, a pairs build and the feed
+        atoms = store.concatenated() if cfg.model.graph == "radius" else None
+        z = store.atomic_numbers() if atoms is None else atoms[0]
+        counts = element_counts(z, store.offsets)
         atomref = store.atomref(cfg.data.target)
         if cfg.data.atomrefs and atomref is not None:
             targets = targets - counts @ atomref
@@ -119,7 +134,7 @@ def prepare_data(cfg: Config) -> PreparedData:
     pairs = None
     if cfg.model.graph == "radius":
         with stage("edge_counts", timings):
-            pairs = radius_pairs(store, cfg.model.cutoff)  # kept: the feed gathers them too
+            pairs = radius_pairs(store, cfg.model.cutoff, positions=atoms[1])  # the feed's too
     with stage("packing", timings):
         plans = plan_splits(cfg, store, split, None if pairs is None else 2 * pairs.counts)
         p = plans["train"]
@@ -143,6 +158,7 @@ def prepare_data(cfg: Config) -> PreparedData:
         counts=counts,
         dressed_atoms=dressed,
         timings=timings,
+        atoms=atoms,
     )
 
 

@@ -19,13 +19,15 @@ import os
 import time
 import warnings
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+from torch import Tensor
 
-from .graphs import within_cutoff
+from .graphs import pairs_within_cutoff
 from .store import MoleculeStore
 
 log = logging.getLogger(__name__)
@@ -33,8 +35,12 @@ log = logging.getLogger(__name__)
 # Bumped when the file layout or within_cutoff's arithmetic changes.
 PAIRS_VERSION = 1
 
-# Largest distance block (molecules x n x n) evaluated at once.
-_BLOCK_ELEMENTS = 1 << 21
+# Largest pair table (molecules x pairs of the store's largest molecule) filled at once.
+_BLOCK_ELEMENTS = 1 << 22
+
+# A pair (i, j) in a local index dtype of 1, 2 or 4 bytes read as one integer (twice as wide):
+# kept codes viewed back as that dtype are the [P, 2] (i, j) rows.
+_CODE_DTYPES = {1: np.int16, 2: np.int32, 4: np.int64}
 
 
 @dataclass(frozen=True)
@@ -52,16 +58,22 @@ class RadiusPairs:
         return np.diff(self.offsets)
 
     def checksum(self) -> int:
-        crc = zlib.crc32(self.offsets.tobytes())
-        return zlib.crc32(self.j.tobytes(), zlib.crc32(self.i.tobytes(), crc))
+        """crc32 of the bytes of offsets, i, j (read in place, not copied)."""
+        crc = 0
+        for values in (self.offsets, self.i, self.j):
+            crc = zlib.crc32(np.ascontiguousarray(values), crc)
+        return crc
 
 
 def pairs_path(store: MoleculeStore, cutoff: float) -> Path:
     return store.path.with_name(f"{store.path.name}.pairs-cutoff{cutoff:g}.npz")
 
 
-def radius_pairs(store: MoleculeStore | str | Path, cutoff: float) -> RadiusPairs:
-    """The pairs file of ``store`` at ``cutoff``: loaded when valid, else (re)built and saved."""
+def radius_pairs(
+    store: MoleculeStore | str | Path, cutoff: float, positions: np.ndarray | None = None
+) -> RadiusPairs:
+    """The pairs file of ``store`` at ``cutoff``: loaded when valid, else (re)built and saved
+    (from ``positions``, the store's float32 [A, 3] atoms, when the caller has them)."""
     if not isinstance(store, MoleculeStore):
         store = MoleculeStore(store)
     path = pairs_path(store, cutoff)
@@ -71,7 +83,7 @@ def radius_pairs(store: MoleculeStore | str | Path, cutoff: float) -> RadiusPair
             return pairs
         warnings.warn(f"{path}: {problem}; rebuilding it", stacklevel=2)
     start = time.perf_counter()
-    pairs = build_pairs(store, cutoff)
+    pairs = build_pairs(store, cutoff, positions)
     _save(path, pairs, store)
     log.info(
         "radius pairs (cutoff %g): %d pairs in %.1f s, saved at %s",
@@ -88,38 +100,87 @@ def edge_counts(store: MoleculeStore | str | Path, cutoff: float) -> np.ndarray:
     return 2 * radius_pairs(store, cutoff).counts
 
 
-def build_pairs(store: MoleculeStore, cutoff: float) -> RadiusPairs:
-    """Every molecule's pairs, by :func:`within_cutoff` on blocks of equal-size molecules.
+def build_pairs(
+    store: MoleculeStore, cutoff: float, positions: np.ndarray | None = None
+) -> RadiusPairs:
+    """Every molecule's pairs i < j, by :func:`pairs_within_cutoff` (within_cutoff's test).
 
-    Molecules of n atoms are stacked into [m, n, 3] blocks; each block's pairs come out
-    molecule-major, i then j, and are written straight to their molecule's place.
+    ``positions`` float32 [A, 3]: the store's atoms when the caller has read them already
+    (``store.concatenated()``), else they are read here. Store order is cut into runs of
+    molecules (:func:`_run_pairs`), tested on torch's intra-op threads' worth of Python
+    threads (torch and numpy release the GIL; runs are independent).
     """
-    _, pos = store.concatenated()
-    pos_t = torch.from_numpy(pos)
+    pos = store.concatenated()[1] if positions is None else positions
+    coords = torch.from_numpy(np.ascontiguousarray(pos.T, dtype=np.float32))  # [3, A]: x, y, z
     sizes = store.num_atoms
     dtype = np.min_scalar_type(max(int(sizes.max()) - 1, 0))
-    found: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []  # compact dtypes
-    counts = np.zeros(len(store), dtype=np.int64)
-    for n in np.unique(sizes):
-        members = np.flatnonzero(sizes == n)
-        step = max(1, _BLOCK_ELEMENTS // (n * n))
-        for lo in range(0, len(members), step):
-            chunk = members[lo : lo + step]
-            atoms = store.offsets[chunk][:, None] + np.arange(n)
-            keep = within_cutoff(pos_t[torch.from_numpy(atoms)], cutoff).triu_(1)
-            m, i, j = keep.nonzero(as_tuple=True)
-            counts[chunk] = torch.bincount(m, minlength=len(chunk)).numpy()
-            found.append((chunk, m.int().numpy(), i.numpy().astype(dtype), j.numpy().astype(dtype)))
-    offsets = np.concatenate([[0], np.cumsum(counts)])
-    pair_i = np.empty(offsets[-1], dtype=dtype)
-    pair_j = np.empty(offsets[-1], dtype=dtype)
-    for chunk, m, i, j in found:
-        block_counts = counts[chunk]
-        block_start = np.cumsum(block_counts) - block_counts
-        place = offsets[chunk][m] + np.arange(len(m)) - block_start[m]
-        pair_i[place] = i
-        pair_j[place] = j
-    return RadiusPairs(pair_i, pair_j, offsets, float(cutoff))
+    present = np.flatnonzero(np.bincount(sizes)).tolist()  # np.unique: ~0.1 s on a first call
+    tables = {n: _PairTable.of(n, dtype) for n in present if n > 1}
+    run = max(1, _BLOCK_ELEMENTS // max(_num_pairs(int(sizes.max())), 1))
+
+    def test(lo: int) -> tuple[np.ndarray, np.ndarray]:
+        part = slice(lo, lo + run)
+        return _run_pairs(coords, store.offsets[part], sizes[part], cutoff, tables, dtype)
+
+    with ThreadPoolExecutor(torch.get_num_threads()) as pool:
+        done = list(pool.map(test, range(0, len(store), run)))
+    counts = np.concatenate([run_counts for run_counts, _ in done])
+    pair_ij = [codes.view(dtype).reshape(-1, 2) for _, codes in done]  # [P_run, 2] each
+    i = np.concatenate([ij[:, 0] for ij in pair_ij])
+    j = np.concatenate([ij[:, 1] for ij in pair_ij])
+    return RadiusPairs(i, j, np.concatenate([[0], np.cumsum(counts)]), float(cutoff))
+
+
+def _run_pairs(
+    coords: Tensor,
+    starts: np.ndarray,
+    sizes: np.ndarray,
+    cutoff: float,
+    tables: dict[int, _PairTable],
+    dtype: np.dtype,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The pairs of a run of R molecules (first atoms ``starts`` [R], ``sizes`` [R]) in
+    ``coords`` [3, A]: int64 counts [R] and the kept (i, j) codes [P_run] (``dtype`` pairs
+    read as one integer), in store order.
+
+    The molecules of n atoms are tested together on the n(n - 1) / 2 pairs of
+    ``np.triu_indices(n, 1)`` (i, then j); each molecule's results fill the front of its row
+    of an [R, widest] table, so one compress reads the kept pairs molecule by molecule.
+    """
+    width = _num_pairs(int(sizes.max()))
+    keep = np.zeros((len(sizes), width), dtype=bool)
+    codes = np.empty((len(sizes), width), dtype=_CODE_DTYPES[dtype.itemsize])
+    order = np.argsort(sizes, kind="stable")
+    for rows in np.split(order, np.flatnonzero(np.diff(sizes[order])) + 1):
+        n = int(sizes[rows[0]])
+        if n < 2:
+            continue
+        table = tables[n]
+        atoms = torch.from_numpy((starts[rows][:, None] + np.arange(n)).ravel())
+        x, y, z = coords.index_select(1, atoms).view(3, len(rows), n)
+        found = pairs_within_cutoff(x, y, z, table.i, table.j, cutoff)
+        keep[rows, : len(table.code)] = found.numpy()
+        codes[rows, : len(table.code)] = table.code
+    return np.count_nonzero(keep, axis=1), np.compress(keep.ravel(), codes.ravel())
+
+
+def _num_pairs(n: int) -> int:
+    return n * (n - 1) // 2
+
+
+@dataclass(frozen=True)
+class _PairTable:
+    """The pairs i < j of n atoms, i then j (``np.triu_indices(n, 1)``)."""
+
+    i: Tensor  # int64 [T] first atom
+    j: Tensor  # int64 [T] second atom
+    code: np.ndarray  # [T] (i, j) in the pairs dtype, read as one integer of twice its width
+
+    @classmethod
+    def of(cls, n: int, dtype: np.dtype) -> _PairTable:
+        i, j = np.triu_indices(n, 1)
+        code = np.stack([i, j], 1).astype(dtype).view(_CODE_DTYPES[dtype.itemsize]).ravel()
+        return cls(torch.from_numpy(i), torch.from_numpy(j), code)
 
 
 def _save(path: Path, pairs: RadiusPairs, store: MoleculeStore) -> None:
