@@ -56,12 +56,18 @@ class FeedArrays:
 
     @classmethod
     def from_store(
-        cls, store: MoleculeStore, targets: np.ndarray, pairs: RadiusPairs | None, device="cpu"
+        cls,
+        store: MoleculeStore,
+        targets: np.ndarray,
+        pairs: RadiusPairs | None,
+        device="cpu",
+        atoms: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> FeedArrays:
         """The whole store (``targets`` [M]), on ``device``; ``pairs``: the store's radius
-        pairs (:func:`~schnet_ipu.data.pairs.radius_pairs`) for radius graphs, else None."""
+        pairs (:func:`~schnet_ipu.data.pairs.radius_pairs`) for radius graphs, else None;
+        ``atoms``: the store's (z, pos) when the caller has read them already."""
         try:
-            z, pos = store.concatenated()
+            z, pos = store.concatenated() if atoms is None else atoms
             forces = store.forces() if store.has_forces else None
         except OSError as err:
             raise LoaderError(f"cannot read the molecules of {store.path}: {err}") from err

@@ -92,15 +92,9 @@ class PreparedData:
         return self.feeds[device]
 
     def _cpu_feed(self) -> FeedArrays:
-        """FeedArrays.from_store, from the atoms prepare_data read (then dropped) if any."""
-        if self.atoms is None:
-            return FeedArrays.from_store(self.store, self.targets, self.pairs)
-        (z, pos), self.atoms = self.atoms, None
-        store = self.store
-        forces = store.forces() if store.has_forces else None
-        return FeedArrays.build(
-            z, pos, forces, store.offsets, self.targets, self.pairs, store.ids, str(store.path)
-        )
+        """The CPU feed, from the atoms prepare_data read (then dropped) if it kept any."""
+        atoms, self.atoms = self.atoms, None
+        return FeedArrays.from_store(self.store, self.targets, self.pairs, atoms=atoms)
 
 
 def prepare_data(cfg: Config) -> PreparedData:
