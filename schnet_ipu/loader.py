@@ -45,7 +45,7 @@ __all__ = [
     "collate",
 ]
 
-CHUNK_BYTES = 32 << 20  # output bytes assembled at once (a few hundred QM9 batches)
+CHUNK_BYTES = 24 << 20  # output bytes assembled at once (~120 QM9 batches: fits the L3 cache)
 
 
 @dataclass(frozen=True)
