@@ -56,9 +56,15 @@ class Batch:
     def num_graphs(self) -> int:
         return self.y.shape[0]
 
+    # int | None: real molecules as the loader counted them on the host; None: counted from
+    # graph_mask, which waits for a GPU. Unannotated, so not a field (the fields are tensors).
+    known_molecules = None
+
     @property
     def num_molecules(self) -> int:
-        """Real molecules in the batch."""
+        """Real molecules in the batch (no device sync when the loader counted them)."""
+        if self.known_molecules is not None:
+            return self.known_molecules
         return int(self.graph_mask.sum())
 
     def signature(self) -> tuple:
@@ -86,10 +92,14 @@ class Batch:
         return self._map(lambda t: t.to(device, non_blocking=non_blocking))
 
     def pin_memory(self) -> Batch:
+        """The batch in pinned host memory, for non-blocking copies to CUDA; a batch already
+        pinned, or on a device (device-resident data), is returned as it is."""
+        if self.z.device.type != "cpu" or self.z.is_pinned():
+            return self
         return self._map(lambda t: t.pin_memory())
 
     def _map(self, fn) -> Batch:
-        return replace(
+        mapped = replace(
             self,
             **{
                 f.name: fn(getattr(self, f.name))
@@ -97,6 +107,8 @@ class Batch:
                 if getattr(self, f.name) is not None
             },
         )
+        mapped.known_molecules = self.known_molecules
+        return mapped
 
 
 def stack_batches(batches: list[Batch]) -> Batch:

@@ -122,6 +122,7 @@ def force_predictions(model: nn.Module, loader, device: torch.device) -> Iterato
         for batch in call:
             on_device = batch.to(device)
             energy, forces = energy_and_forces(model, on_device, create_graph=False)
+            batch = batch.to("cpu")  # (device-resident batches live on the GPU)
             mol, real = batch.graph_mask.numpy(), batch.node_mask.numpy()
             yield ForcePredictions(
                 index=batch.molecule_index.numpy()[mol],

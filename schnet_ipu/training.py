@@ -401,12 +401,12 @@ def predictions(backend, loader: PackedLoader):
     """Yields (store indices, predictions, targets) per batch, real molecules only, float64."""
     for call in loader.epoch(0):
         for batch in call:
-            mask = batch.graph_mask.numpy()
-            prediction = backend.predict(batch).double().numpy()
+            mask = batch.graph_mask.cpu().numpy()  # (device-resident batches live on the GPU)
+            prediction = backend.predict(batch).double().cpu().numpy()
             yield (
-                batch.molecule_index.numpy()[mask],
+                batch.molecule_index.cpu().numpy()[mask],
                 prediction[mask],
-                batch.y.double().numpy()[mask],
+                batch.y.double().cpu().numpy()[mask],
             )
 
 

@@ -46,6 +46,7 @@ def tiny(store: Path, run_dir: Path, *extra: str) -> list[str]:
         "logging.progress=false",
         "logging.log_every=1",
         f"logging.run_dir={run_dir}",
+        "backend.device=cpu",  # the CPU program also on a GPU machine (auto would pick CUDA)
         *extra,
     ]
 

@@ -141,10 +141,9 @@ def make_capturable(optimizer: torch.optim.Optimizer, device: torch.device) -> N
 
 
 def copy_batch_(static: Batch, batch: Batch) -> None:
-    """Copy every tensor of host ``batch`` into the device buffers of ``static`` (same
-    signature), asynchronously from pinned memory."""
-    if not batch.z.is_pinned():
-        batch = batch.pin_memory()
+    """Copy every tensor of ``batch`` into the device buffers of ``static`` (same
+    signature), asynchronously: from pinned memory, or on the device (device-resident)."""
+    batch = batch.pin_memory()
     for f in fields(batch):
         source = getattr(batch, f.name)
         if source is not None:

@@ -264,9 +264,7 @@ class TorchBackend:
     def _to_device(self, batch: Batch) -> Batch:
         if self.device.type != "cuda":
             return batch.to(self.device)
-        if not batch.z.is_pinned():
-            batch = batch.pin_memory()
-        return batch.to(self.device, non_blocking=True)
+        return batch.pin_memory().to(self.device, non_blocking=True)
 
     def reduce_gradients(self) -> int:
         """Mean the gradients over the replicas, in place; returns the collectives used."""
