@@ -14,7 +14,7 @@ pairs first, then the same pairs reversed (see schnet_ipu.batch).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
@@ -166,6 +166,7 @@ class Assembled:
     edge_index: Tensor | None  # int64 [K, 2, E]
     edge_mask: Tensor | None  # bool [K, E]
     forces: Tensor | None  # float32 [K, N, 3]
+    num_molecules: list[int] | None = None  # [K] real molecules per batch, when known on the host
 
 
 def _exclusive_cumsum(counts: Tensor) -> Tensor:
@@ -197,11 +198,14 @@ class _PaddedRuns:
     fill, one small scatter and one cumsum over the positions; no scatter or mask per item).
     """
 
-    def __init__(self, group: Tensor, lengths: Tensor, used: Tensor, width: int) -> None:
-        """``used`` [groups]: positions the items of each group take (at most ``width``)."""
+    def __init__(
+        self, group: Tensor, lengths: Tensor, items: Tensor, used: Tensor, width: int
+    ) -> None:
+        """``items`` [groups]: items in each group; ``used`` [groups]: positions they take (at
+        most ``width``). Nothing here waits for a GPU (no host reads)."""
         dev, count, groups = group.device, len(group), len(used)
         self.groups, self.total = groups, groups * width
-        through = torch.bincount(group, minlength=groups).cumsum(0)  # items in groups <= g
+        through = items.cumsum(0)  # items in groups <= g
         self.item_at = torch.arange(count, device=dev) + group  # place among the runs
         self.pad_at = through + torch.arange(groups, device=dev)
         self.first = _exclusive_cumsum(self.interleave(lengths, width - used))  # [runs]
@@ -232,15 +236,57 @@ class _PaddedRuns:
         return self._positions(self.interleave(starts, pad), 1, dtype).clamp_(max=pad)
 
 
+class _PackTotals(NamedTuple):
+    """Per molecule T and per pack P of packs given flat (molecules in pack order)."""
+
+    pack: Tensor  # int64 [T] flat pack of each molecule
+    atoms: Tensor  # int64 [T] atoms of each molecule
+    pairs: Tensor | None  # int64 [T] radius pairs of each molecule (radius graphs only)
+    pack_atoms: Tensor  # int64 [P]
+    pack_pairs: Tensor | None  # int64 [P] (radius graphs only)
+
+
+def _pack_totals(
+    arrays: FeedArrays, layout: Layout, molecules: Tensor, pack_lengths: Tensor
+) -> _PackTotals:
+    P, dev = len(pack_lengths), arrays.device
+    pack = torch.repeat_interleave(
+        torch.arange(P, device=dev), pack_lengths, output_size=len(molecules)
+    )
+    atoms = arrays.num_atoms.index_select(0, molecules)
+    pack_atoms = torch.zeros(P, dtype=torch.int64, device=dev).index_add_(0, pack, atoms)
+    pairs = pack_pairs = None
+    if layout.max_edges is not None:
+        pairs = arrays.pair_count.index_select(0, molecules)
+        pack_pairs = torch.zeros(P, dtype=torch.int64, device=dev).index_add_(0, pack, pairs)
+    return _PackTotals(pack, atoms, pairs, pack_atoms, pack_pairs)
+
+
+def check_packs(
+    arrays: FeedArrays, layout: Layout, molecules: Tensor, pack_lengths: Tensor
+) -> None:
+    """LoaderError naming the molecule (index and record id) when one molecule exceeds the
+    pack's atom or edge limit, or the pack when its molecules together do (packs given as
+    to :func:`assemble`). One host read of the device: the loader checks a whole epoch at
+    once, so that on a GPU no chunk waits for the steps queued before it."""
+    totals = _pack_totals(arrays, layout, molecules, pack_lengths)
+    _check_fits(arrays, layout, molecules, pack_lengths, totals.pack_atoms, totals.pack_pairs)
+
+
 def assemble(
-    arrays: FeedArrays, layout: Layout, molecules: Tensor, pack_lengths: Tensor, pin: bool = False
+    arrays: FeedArrays,
+    layout: Layout,
+    molecules: Tensor,
+    pack_lengths: Tensor,
+    pin: bool = False,
+    checked: bool = False,
 ) -> Assembled:
     """K batches from packs given flat: ``molecules`` int64 [T] indices into ``arrays`` in
     pack order, ``pack_lengths`` int64 [K * B] molecules per pack (0 = an empty pack).
 
-    Raises LoaderError naming the molecule (index and record id) when one molecule exceeds the
-    pack's atom or edge limit, or the pack when its molecules together do. ``pin``: allocate
-    the CPU outputs in pinned memory (for non-blocking copies to CUDA).
+    Raises LoaderError as :func:`check_packs` does, unless ``checked`` (the caller checked
+    these packs). ``pin``: allocate the CPU outputs in pinned memory (for non-blocking copies
+    to CUDA).
     """
     lay, dev = layout, arrays.device
     B, size, slots = lay.packs_per_batch, lay.max_nodes, lay.max_graphs
@@ -248,16 +294,9 @@ def assemble(
     K = P // B
     N, G = B * size, B * slots
     count = len(molecules)
-    pack = torch.repeat_interleave(
-        torch.arange(P, device=dev), pack_lengths, output_size=count
-    )  # [T] flat pack (k * B + p) of each molecule
-    n = arrays.num_atoms.index_select(0, molecules)
-    pack_atoms = torch.zeros(P, dtype=torch.int64, device=dev).index_add_(0, pack, n)
-    pairs = pack_pairs = None
-    if lay.max_edges is not None:
-        pairs = arrays.pair_count.index_select(0, molecules)
-        pack_pairs = torch.zeros(P, dtype=torch.int64, device=dev).index_add_(0, pack, pairs)
-    _check_fits(arrays, layout, molecules, pack_lengths, pack_atoms, pack_pairs)
+    pack, n, pairs, pack_atoms, pack_pairs = _pack_totals(arrays, layout, molecules, pack_lengths)
+    if not checked:
+        _check_fits(arrays, layout, molecules, pack_lengths, pack_atoms, pack_pairs)
     slot = torch.arange(count, device=dev) - _exclusive_cumsum(pack_lengths)[pack]
     first_atom = _exclusive_cumsum(n)
     atom_offset = first_atom - first_atom[_exclusive_cumsum(pack_lengths)[pack]]
@@ -268,7 +307,7 @@ def assemble(
     def pinned(value: Tensor) -> Tensor:
         return output(value.shape, value.dtype).copy_(value) if pin else value
 
-    rows = _PaddedRuns(pack, n, pack_atoms, size)  # the K * N atom rows
+    rows = _PaddedRuns(pack, n, pack_lengths, pack_atoms, size)  # the K * N atom rows
     source = rows.ranges(arrays.atom_start[molecules], len(arrays.z) - 1)
     z = output((K * N,), torch.int64).copy_(arrays.z.index_select(0, source))
     pos = torch.index_select(arrays.pos, 0, source, out=output((K * N, 3), torch.float32))
@@ -296,7 +335,16 @@ def assemble(
     edge_index = edge_mask = None
     if lay.max_edges is not None:
         edge_index, edge_mask = _edges(
-            arrays, layout, molecules, pack, pairs, pack_pairs, atom_offset, padding, output
+            arrays,
+            layout,
+            molecules,
+            pack,
+            pack_lengths,
+            pairs,
+            pack_pairs,
+            atom_offset,
+            padding,
+            output,
         )
     return Assembled(
         z=z.view(K, N),
@@ -317,6 +365,7 @@ def _edges(
     layout: Layout,
     molecules: Tensor,
     pack: Tensor,
+    pack_lengths: Tensor,
     pairs: Tensor,
     pack_pairs: Tensor,
     atom_offset: Tensor,
@@ -324,7 +373,7 @@ def _edges(
     output,
 ) -> tuple[Tensor, Tensor]:
     """edge_index int64 [K, 2, E] and edge_mask bool [K, E] of the molecules' pairs
-    (``pairs`` [T] per molecule, ``pack_pairs`` [K * B] per pack).
+    (``pairs`` [T] per molecule, ``pack_lengths``/``pack_pairs`` [K * B] per pack).
 
     Each batch's forward pairs fill columns [0, its pairs) of the first half in molecule
     order, the reversed pairs the same columns of the second half; the rest join the batch's
@@ -333,7 +382,8 @@ def _edges(
     B, size = layout.packs_per_batch, layout.max_nodes
     K, half = padding.shape[0], B * layout.max_edges // 2
     batch_pairs = pack_pairs.view(K, B).sum(1)
-    columns = _PaddedRuns(pack // B, pairs, batch_pairs, half)  # K * half columns a direction
+    batch_molecules = pack_lengths.view(K, B).sum(1)
+    columns = _PaddedRuns(pack // B, pairs, batch_molecules, batch_pairs, half)  # K * half each
     starts = arrays.pair_start.index_select(0, molecules)
     source = columns.ranges(starts, len(arrays.pair_ij) - 1)
     filler = padding.to(torch.uint8).argmax(1)  # first padding atom, 0 when there is none

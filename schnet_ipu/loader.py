@@ -32,7 +32,7 @@ from schnet_ipu.batch import Batch
 from schnet_ipu.data import MoleculeStore
 from schnet_ipu.data.graphs import molecule_pairs
 from schnet_ipu.data.pairs import RadiusPairs, radius_pairs
-from schnet_ipu.feed import Assembled, FeedArrays, LoaderError, assemble
+from schnet_ipu.feed import Assembled, FeedArrays, LoaderError, assemble, check_packs
 from schnet_ipu.packing import PackPlan, PackSlots
 from schnet_ipu.packing.balance import DEFAULT_COST, loader_order
 
@@ -220,7 +220,9 @@ class PackedDataset:
             pack_lengths = torch.where(real, lengths[pack], 0)
             per_batch = pack_lengths.view(-1, lay.packs_per_batch).sum(1)
             first = [0, *per_batch.cumsum(0).tolist()]
-            self._order = (molecules[_ranges(starts[pack], pack_lengths)], pack_lengths, first)
+            ordered = molecules[_ranges(starts[pack], pack_lengths)]
+            check_packs(self.arrays, lay, ordered, pack_lengths)  # the whole epoch at once
+            self._order = (ordered, pack_lengths, first)
             self._order_epoch = epoch
         return self._order
 
@@ -228,13 +230,16 @@ class PackedDataset:
         """This replica's micro-batches [first, stop) of ``epoch``, stacked."""
         molecules, pack_lengths, start = self.batch_order(epoch)
         B = self.layout.packs_per_batch
-        return assemble(
+        assembled = assemble(
             self.arrays,
             self.layout,
             molecules[start[first] : start[stop]],
             pack_lengths[first * B : stop * B],
             pin,
+            checked=True,  # by batch_order
         )
+        assembled.num_molecules = [b - a for a, b in zip(start[first:stop], start[first + 1 :])]
+        return assembled
 
     def __getitem__(self, key: tuple[int, int]) -> Batch:
         epoch, i = key
@@ -266,10 +271,14 @@ def _ranges(starts: Tensor, lengths: Tensor) -> Tensor:
 
 
 def unstack(assembled: Assembled) -> list[Batch]:
-    """Stacked batches -> one Batch per row (views, no copies)."""
-    names = [name for name, value in vars(assembled).items() if value is not None]
+    """Stacked batches -> one Batch per row (views, no copies), with the host molecule
+    counts when known (so counting a device-resident batch never waits for the device)."""
+    names = [name for name, value in vars(assembled).items() if isinstance(value, Tensor)]
     rows = zip(*(getattr(assembled, name).unbind(0) for name in names))
-    return [Batch(**dict(zip(names, row))) for row in rows]
+    batches = [Batch(**dict(zip(names, row))) for row in rows]
+    for batch, count in zip(batches, assembled.num_molecules or []):
+        batch.known_molecules = count
+    return batches
 
 
 class PackMolecule(NamedTuple):

@@ -69,6 +69,10 @@ def test_shapes_fixed_over_epochs_and_cover_exact(store, radius):
             assert b.edge_index.shape == (2, lay.packs_per_batch * lay.max_edges)
         seen = torch.cat([b.molecule_index[b.graph_mask] for b in batches]).numpy()
         assert sorted(seen.tolist()) == list(range(len(store)))  # each molecule exactly once
+        # the loader's host counts (no device sync on a GPU) equal the masks' counts
+        assert [b.known_molecules for b in batches] == [int(b.graph_mask.sum()) for b in batches]
+        moved = batches[0].to("cpu")
+        assert moved.known_molecules == batches[0].num_molecules
 
 
 def test_batches_hold_the_store_molecules_and_masks_are_right(store):
