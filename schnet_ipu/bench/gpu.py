@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -113,8 +114,10 @@ def time_rounds(epochs: dict[str, Epoch], rounds: int, device: str) -> dict[str,
             if cuda:
                 torch.cuda.synchronize(device)
                 peak[name] = max(peak[name], torch.cuda.max_memory_allocated(device))
+            took = time.perf_counter() - start
+            print(f"round {round_} {name}: {took:.2f} s", file=sys.stderr, flush=True)
             if round_:
-                seconds[name].append(time.perf_counter() - start)
+                seconds[name].append(took)
                 last[name] = counts
     results = {}
     for name, times in seconds.items():
@@ -141,17 +144,18 @@ def run_gpu(
     pyg_batches: tuple[int, ...] = (32, 128, 512),
     precisions: tuple[str, ...] = PRECISIONS,
     overrides: list[str] = (),
+    molecules_per_step: int = 32,
 ) -> dict:
     """Every variant side by side; ``ratio_vs_pyg`` of our fastest epoch over PyG's fastest.
 
     CUDA-graph variants need a CUDA ``device`` (on a CPU only the eager ones run). Ours trains
-    about 32 molecules per optimiser step (configs/qm9.yaml's packs per batch); PyG runs
-    batches of each size in ``pyg_batches``.
+    about ``molecules_per_step`` molecules per optimiser step (whole packs); PyG runs batches
+    of each size in ``pyg_batches``.
     """
     cfg = paper_config(store, device, subset, list(overrides))
     data = prepare_data(cfg)
-    cfg.packing.packs_per_batch = packs_for(data, 32)
-    loader = make_loader(cfg, data, "train", pin_memory=device.startswith("cuda"))
+    cfg.packing.packs_per_batch = packs_for(data, molecules_per_step)
+    loader = make_loader(cfg, data, "train", pin_memory=device.startswith("cuda"), device=device)
     graph_choices = (False, True) if device.startswith("cuda") else (False,)
     epochs: dict[str, Epoch] = {}
     backends: dict[str, object] = {}
@@ -195,7 +199,8 @@ def run_gpu(
         ),
     }
     on = torch.device(device)
-    report = new_report("gpu", rows, ratios, notes(cfg, data, rounds, device, subset))
+    feed_device = str(loader.dataset.arrays.device)
+    report = new_report("gpu", rows, ratios, notes(cfg, data, rounds, device, subset, feed_device))
     report["device"] = {
         "name": torch.cuda.get_device_name(on) if on.type == "cuda" else "cpu (not a GPU run)",
         "torch": torch.__version__,
@@ -205,7 +210,9 @@ def run_gpu(
     return report
 
 
-def notes(cfg: Config, data: PreparedData, rounds: int, device: str, subset: int) -> list[str]:
+def notes(
+    cfg: Config, data: PreparedData, rounds: int, device: str, subset: int, feed_device: str
+) -> list[str]:
     plan = data.train_plan
     lines = [
         f"{len(data.split['train'])} QM9 training molecules"
@@ -215,8 +222,10 @@ def notes(cfg: Config, data: PreparedData, rounds: int, device: str, subset: int
         f"cutoff {cfg.model.cutoff}; Adam lr {cfg.optim.lr}, constant during the benchmark.",
         f"Ours: {cfg.packing.packs_per_batch} packs of {plan.max_nodes} atoms / "
         f"{plan.max_edges} edges / {plan.max_graphs} molecules per step (tuple packing, "
-        f"radius graph, pair-symmetric filters), {cfg.loader.workers} loader worker(s) "
-        "(on CUDA: pinned, non-blocking copies); the step losses are read once per epoch.",
+        f"radius graph, pair-symmetric filters), {cfg.loader.workers} loader worker(s), "
+        f"batches assembled on {feed_device} (loader.device_resident="
+        f"{cfg.loader.device_resident}; from a CPU feed to CUDA: pinned, non-blocking "
+        "copies); the step losses are read once per epoch.",
         f"Stock PyG: torch_geometric.nn.models.SchNet with its DataLoader (shuffle) on the "
         f"same molecules and loss, torch's default Adam; radius graph: {RADIUS_BUILDER}.",
         f"Timing: an untimed warm-up epoch of every variant, then {rounds} round(s) of one "
@@ -232,7 +241,9 @@ def notes(cfg: Config, data: PreparedData, rounds: int, device: str, subset: int
 
 
 def run(quick: bool, store: str, device: str = "cuda", subset: int = 0,
-        overrides: list[str] = ()) -> dict:  # fmt: skip
-    if quick:
-        return run_gpu(store, device, subset, rounds=1, pyg_batches=(32, 128), overrides=overrides)
-    return run_gpu(store, device, subset, overrides=overrides)
+        overrides: list[str] = (), molecules_per_step: int = 32) -> dict:  # fmt: skip
+    options = {"overrides": overrides, "molecules_per_step": molecules_per_step}
+    sizes = {32, 128, molecules_per_step} if quick else {32, 128, 512, molecules_per_step}
+    pyg_batches = tuple(sorted(sizes))  # PyG at our step size too
+    return run_gpu(store, device, subset, rounds=1 if quick else 3, pyg_batches=pyg_batches,
+                   **options)  # fmt: skip

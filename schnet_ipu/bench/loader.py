@@ -48,19 +48,26 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def finished(loader: PackedLoader) -> float:
+    """Now, once the work queued on the loader's device is done (CUDA runs asynchronously)."""
+    if loader.dataset.arrays.device.type == "cuda":
+        torch.cuda.synchronize(loader.dataset.arrays.device)
+    return time.perf_counter()
+
+
 def epoch_molecules(loader: PackedLoader, epoch: int) -> tuple[int, float]:
     """(molecules, seconds) of one whole epoch, counting every batch's molecules."""
-    start = time.perf_counter()
+    start = finished(loader)
     molecules = sum(b.num_molecules for call in loader.epoch(epoch) for b in call)
-    return molecules, time.perf_counter() - start
+    return molecules, finished(loader) - start
 
 
 def epoch_seconds(loader: PackedLoader, epoch: int) -> float:
     """Seconds of one whole epoch, the loader alone (its molecules are counted once, cold)."""
-    start = time.perf_counter()
+    start = finished(loader)
     for _ in loader.epoch(epoch):
         pass
-    return time.perf_counter() - start
+    return finished(loader) - start
 
 
 def ours(cfg, data: PreparedData, name: str, workers: int, device: str, pairs_s: float) -> dict:
