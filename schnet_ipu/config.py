@@ -71,7 +71,7 @@ class PackingConfig:
 
 @dataclass
 class LoaderConfig:
-    workers: int = 0  # threads assembling batch chunks ahead; 0 = in the training thread
+    workers: int = 0  # threads assembling batch chunks ahead; 0 = only while the step waits
     prefetch: int = 4  # chunks assembled ahead (threads), batches copied ahead (CUDA)
     device_resident: str = "auto"  # auto | true | false: assemble batches on the device
     cache: bool = True  # store.molecule() cache (benchmarks); the feed reads whole arrays

@@ -142,12 +142,18 @@ def assert_same_batches(xs, ys) -> None:
             assert torch.equal(t, u)
 
 
-def test_same_batches_whatever_the_mode_threads_and_chunking(store):
+def test_same_batches_whatever_the_mode_threads_and_chunking(store, restore_threads):
     dataset = make_dataset(store, radius=True, micro=2)
-    reference = epoch_batches(PackedLoader(dataset, workers=0), 1)
+    torch.set_num_threads(1)
+    reference = epoch_batches(PackedLoader(dataset, workers=0), 1)  # one chunk, one thread
     threads = PackedLoader(dataset, workers=2, prefetch=2, chunk_batches=3)
     for epoch in (1, 1):  # the same epoch twice
         assert_same_batches(reference, epoch_batches(threads, epoch))
+    # in-process on 2 torch threads: 2 chunks at once, one single-threaded chunk per thread
+    torch.set_num_threads(2)
+    grouped = PackedLoader(dataset, workers=0, chunk_batches=2)
+    assert grouped.at_once == 2
+    assert_same_batches(reference, epoch_batches(grouped, 1))
     # device-resident: the arrays on the training device (the CPU here), same program
     on_device = make_dataset(store, radius=True, micro=2)
     on_device.arrays = dataset.arrays.to("cpu")
