@@ -297,9 +297,10 @@ def assemble(
     pack, n, pairs, pack_atoms, pack_pairs = _pack_totals(arrays, layout, molecules, pack_lengths)
     if not checked:
         _check_fits(arrays, layout, molecules, pack_lengths, pack_atoms, pack_pairs)
-    slot = torch.arange(count, device=dev) - _exclusive_cumsum(pack_lengths)[pack]
+    pack_first = _exclusive_cumsum(pack_lengths)[pack]  # [T] first molecule of each one's pack
+    slot = torch.arange(count, device=dev) - pack_first
     first_atom = _exclusive_cumsum(n)
-    atom_offset = first_atom - first_atom[_exclusive_cumsum(pack_lengths)[pack]]
+    atom_offset = first_atom - first_atom[pack_first]
 
     def output(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
         return torch.empty(shape, dtype=dtype, device=dev, pin_memory=pin and dev.type == "cpu")

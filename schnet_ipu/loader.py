@@ -344,8 +344,8 @@ class PackedLoader:
     ``workers = 0`` assembles chunks of batches only while the caller waits for them (never
     while a training step runs): on a CPU with several torch threads, one chunk per thread at
     once, each thread on its own chunk with one torch thread (cumsum and the int32 gathers
-    run on one core whatever torch's thread count, so this keeps every core busy; 18% faster
-    than one chunk on two threads on the 2-core dev box). ``workers > 0`` background threads
+    run on one core whatever torch's thread count, so this keeps every core busy; 8-15%
+    faster than one chunk on two threads on the 2-core dev box). ``workers > 0`` background threads
     assemble up to ``max(prefetch, workers)`` chunks ahead, also while the step runs.
     ``pin_memory``: CPU chunks go to pinned memory (non-blocking copies to CUDA). Every batch
     is checked against the first batch's shapes.

@@ -197,7 +197,7 @@ class TorchBackend:
                     loss = self._captured(group).clone()  # the graph overwrites its output
                 else:
                     loss = self._step([self._to_device(b) for b in group])
-            molecules = sum(b.num_molecules for b in group)  # host batches: no device sync
+            molecules = sum(b.num_molecules for b in group)  # the loader's host counts: no sync
             records.append({"loss": loss, "molecules": molecules, "collectives": self._collectives})
         return records
 
