@@ -32,7 +32,14 @@ from schnet_ipu.batch import Batch
 from schnet_ipu.data import MoleculeStore
 from schnet_ipu.data.graphs import molecule_pairs
 from schnet_ipu.data.pairs import RadiusPairs, radius_pairs
-from schnet_ipu.feed import Assembled, FeedArrays, LoaderError, assemble, check_packs
+from schnet_ipu.feed import (
+    Assembled,
+    FeedArrays,
+    LoaderError,
+    OutputBuffers,
+    assemble,
+    check_packs,
+)
 from schnet_ipu.packing import PackPlan, PackSlots
 from schnet_ipu.packing.balance import DEFAULT_COST, loader_order
 
@@ -226,8 +233,16 @@ class PackedDataset:
             self._order_epoch = epoch
         return self._order
 
-    def assemble(self, epoch: int, first: int, stop: int, pin: bool = False) -> Assembled:
-        """This replica's micro-batches [first, stop) of ``epoch``, stacked."""
+    def assemble(
+        self,
+        epoch: int,
+        first: int,
+        stop: int,
+        pin: bool = False,
+        buffers: OutputBuffers | None = None,
+    ) -> Assembled:
+        """This replica's micro-batches [first, stop) of ``epoch``, stacked (``pin`` and
+        ``buffers`` as :func:`~schnet_ipu.feed.assemble` takes them)."""
         molecules, pack_lengths, start = self.batch_order(epoch)
         B = self.layout.packs_per_batch
         assembled = assemble(
@@ -237,6 +252,7 @@ class PackedDataset:
             pack_lengths[first * B : stop * B],
             pin,
             checked=True,  # by batch_order
+            buffers=buffers,
         )
         assembled.num_molecules = [b - a for a, b in zip(start[first:stop], start[first + 1 :])]
         return assembled
@@ -368,6 +384,9 @@ class PackedLoader:
         self.chunk_batches = chunk_batches or max(1, CHUNK_BYTES // per_batch)
         on_cpu = dataset.arrays.device.type == "cpu"
         self.at_once = 1 if workers or not on_cpu else torch.get_num_threads()
+        # chunks alive at once: those being assembled or queued, and the one being read
+        reuse = on_cpu and not pin_memory  # (pinned memory is reused by torch's allocator)
+        self.buffers = OutputBuffers(keep=self.ahead + self.at_once + 1) if reuse else None
         self._pool = None
         if workers:
             self._pool = ThreadPoolExecutor(workers, "feed")
@@ -398,13 +417,13 @@ class PackedLoader:
         ]
         if self._pool is None:
             for a, b in bounds:
-                yield unstack(self.dataset.assemble(epoch, a, b, self.pin))
+                yield unstack(self._assemble(epoch, a, b))
             return
         self.dataset.batch_order(epoch)  # worked out once here, not raced for by the threads
         if not self.workers:  # at_once chunks in parallel, all done before the caller goes on
             for i in range(0, len(bounds), self.at_once):
                 group = [
-                    self._pool.submit(self.dataset.assemble, epoch, a, b, self.pin)
+                    self._pool.submit(self._assemble, epoch, a, b)
                     for a, b in bounds[i : i + self.at_once]
                 ]
                 yield from [unstack(future.result()) for future in group]  # (then yield)
@@ -415,7 +434,7 @@ class PackedLoader:
         def submit() -> None:
             chunk = next(chunks, None)
             if chunk is not None:
-                pending.append(self._pool.submit(self.dataset.assemble, epoch, *chunk, self.pin))
+                pending.append(self._pool.submit(self._assemble, epoch, *chunk))
 
         for _ in range(self.ahead):
             submit()
@@ -423,6 +442,9 @@ class PackedLoader:
             assembled = pending.popleft().result()
             submit()
             yield unstack(assembled)
+
+    def _assemble(self, epoch: int, first: int, stop: int) -> Assembled:
+        return self.dataset.assemble(epoch, first, stop, self.pin, self.buffers)
 
     def check_shape(self, batch: Batch) -> None:
         signature = batch.signature()

@@ -10,6 +10,7 @@ import torch
 
 from schnet_ipu.data import MoleculeStore, edge_counts, import_qm9, write_store
 from schnet_ipu.data.graphs import molecule_pairs
+from schnet_ipu.feed import OutputBuffers
 from schnet_ipu.loader import (
     Layout,
     LoaderError,
@@ -173,6 +174,32 @@ def test_same_batches_whatever_the_mode_threads_and_chunking(store, restore_thre
             for pack in members
         ]
         assert_same_batches([batch], [collate(given, layout)])
+
+
+def test_output_memory_is_reused_only_once_nothing_views_it():
+    buffers = OutputBuffers(keep=2)
+    first = buffers.take(100)
+    address = first.data_ptr()
+    kept = first[8:24].view(torch.int64)  # a view of it, as a batch's tensors are
+    del first
+    second = buffers.take(100)
+    assert second.data_ptr() != address  # still viewed: another buffer
+    own = buffers.take(100)  # both kept buffers in use: memory of its own
+    assert buffers.nbytes() == 200 and own.data_ptr() not in (address, second.data_ptr())
+    del kept
+    assert buffers.take(60).data_ptr() == address  # nothing views it now: handed out again
+
+
+def test_batches_a_caller_keeps_are_never_overwritten(store):
+    dataset = make_dataset(store, radius=True)
+    loader = PackedLoader(dataset, chunk_batches=1)  # a chunk per batch
+    kept = epoch_batches(loader, 0)[::2]  # the others' memory is free to go round again
+    assert len(kept) > loader.buffers.keep
+    for epoch in (1, 2):  # batches dropped as read
+        for call in loader.epoch(epoch):
+            assert call[0].z.numel() > 0
+    expected = epoch_batches(PackedLoader(dataset, chunk_batches=1), 0)[::2]
+    assert_same_batches(kept, expected)
 
 
 def test_replicas_read_distinct_shares_that_cover_the_epoch(store):
