@@ -137,14 +137,11 @@ class FeedArrays:
 def _pair_table(pairs: RadiusPairs) -> Tensor:
     """[P + 1, 2] local (i, j) as int16 (int32 for molecules of 2**15 atoms or more, the dtype
     of a batch's atom rows: a gathered pair needs no conversion), ending in the padding
-    pair (0, 0)."""
-    dtype = torch.int16 if int(pairs.j.max(initial=0)) < 2**15 else torch.int32
-    table = torch.zeros((len(pairs.i) + 1, 2), dtype=dtype)
-    for column, local in enumerate((pairs.i, pairs.j)):
-        if local.dtype != np.uint8:
-            local = local.astype(np.int32)  # torch 2.0 has no uint16
-        table[:-1, column] = torch.from_numpy(local)
-    return table
+    pair (0, 0). Filled by numpy: its strided copies are ~3x torch's here."""
+    dtype = np.int16 if int(pairs.j.max(initial=0)) < 2**15 else np.int32
+    table = np.empty((len(pairs.i) + 1, 2), dtype=dtype)
+    table[:-1, 0], table[:-1, 1], table[-1] = pairs.i, pairs.j, 0
+    return torch.from_numpy(table)
 
 
 def _with_zero_entry(values: np.ndarray) -> Tensor:

@@ -293,10 +293,18 @@ def _check_targets(targets, units, num_molecules, where) -> dict[str, np.ndarray
     return arrays
 
 
+def byte_shuffle(dtype: np.dtype) -> bool:
+    """Whether a dataset of ``dtype`` is byte-shuffled before LZF: multi-byte integers and
+    float64 targets, not float32 coordinates or forces. Shuffling QM9's positions saved 7% of
+    their 28 MB but made reading them all 4x slower (117 vs 29 ms on the 2-core box)."""
+    dtype = np.dtype(dtype)
+    return dtype.itemsize > 1 and dtype != np.float32
+
+
 def _dataset(f: h5py.File, name: str, data: np.ndarray, chunks: tuple[int, ...]) -> h5py.Dataset:
     chunks = (min(chunks[0], max(len(data), 1)), *chunks[1:])
     return f.create_dataset(
-        name, data=data, chunks=chunks, compression=COMPRESSION, shuffle=data.dtype.itemsize > 1
+        name, data=data, chunks=chunks, compression=COMPRESSION, shuffle=byte_shuffle(data.dtype)
     )
 
 

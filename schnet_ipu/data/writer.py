@@ -30,6 +30,7 @@ from .store import (
     COMPRESSION,
     MOLECULE_CHUNK,
     StoreError,
+    byte_shuffle,
     invalid_records,
     root_attributes,
 )
@@ -116,7 +117,7 @@ class StoreWriter:
                 dtype=dtype,
                 chunks=chunks,
                 compression=COMPRESSION,
-                shuffle=np.dtype(dtype).itemsize > 1,
+                shuffle=byte_shuffle(dtype),
             )
 
         dataset("z", (atoms,), np.uint8, ATOM_CHUNK)
