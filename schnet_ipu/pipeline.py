@@ -100,7 +100,7 @@ class PreparedData:
 def prepare_data(cfg: Config) -> PreparedData:
     timings: dict[str, float] = {}
     with stage("store", timings):
-        store = MoleculeStore(ensure_store(cfg.data), cache=cfg.loader.cache)
+        store = MoleculeStore(ensure_store(cfg.data, cfg.logging.progress), cache=cfg.loader.cache)
         log.info("store %s: %d molecules, %s", store.path, len(store), store.attrs.get("source"))
     with stage("split", timings):
         try:
@@ -128,7 +128,9 @@ def prepare_data(cfg: Config) -> PreparedData:
     pairs = None
     if cfg.model.graph == "radius":
         with stage("edge_counts", timings):
-            pairs = radius_pairs(store, cfg.model.cutoff, positions=atoms[1])  # the feed's too
+            pairs = radius_pairs(  # the feed's pairs too
+                store, cfg.model.cutoff, positions=atoms[1], progress=cfg.logging.progress
+            )
     with stage("packing", timings):
         plans = plan_splits(cfg, store, split, None if pairs is None else 2 * pairs.counts)
         p = plans["train"]

@@ -35,7 +35,7 @@ COLUMNS = ["name", "workers", "device", "cold_molecules_per_s", "warm_molecules_
 PLOT = ("name", "warm_molecules_per_s", "molecules/s (warm)")
 NO_GPU = " (no GPU here: the in-process program on the same CPU tensors)"
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "qm9.yaml"
-WARM_EPOCHS = 3  # warm = the median epoch of these (a shared machine is noisy)
+WARM_EPOCHS = 5  # warm = the median epoch of these (a shared machine is noisy)
 
 
 def rss_mb() -> float:
