@@ -161,10 +161,11 @@ class OutputBuffers:
     slower on the 2-core dev box. A buffer is handed out again only when no tensor viewing it
     is alive: the tensors' storage holds the only reference to a numpy view of the buffer,
     watched here by a weak reference, so batches a caller keeps are never overwritten.
-    At most ``keep`` buffers are kept; past that, chunks get memory of their own.
+    At most ``keep`` buffers are kept; past that, chunks get memory of their own. Loaders
+    that take turns share one (a run's train, val and test loaders).
     """
 
-    def __init__(self, keep: int) -> None:
+    def __init__(self, keep: int = 0) -> None:
         self.keep = keep
         self._buffers: list[np.ndarray] = []  # uint8, kept for the whole run
         self._views: list[weakref.ref | None] = []  # the live view of each buffer, if any
@@ -182,6 +183,10 @@ class OutputBuffers:
                 self._views.append(None)
                 return self._hand_out(len(self._buffers) - 1, nbytes)
         return torch.empty(nbytes, dtype=torch.uint8)
+
+    def keep_at_least(self, count: int) -> None:
+        """Keep up to ``count`` buffers (a loader's chunks alive at once)."""
+        self.keep = max(self.keep, count)
 
     def _hand_out(self, k: int, nbytes: int) -> Tensor:
         view = self._buffers[k][:nbytes]  # a new array object: only the tensor will hold it

@@ -363,7 +363,8 @@ class PackedLoader:
     run on one core whatever torch's thread count, so this keeps every core busy; 8-15%
     faster than one chunk on two threads on the 2-core dev box). ``workers > 0`` background threads
     assemble up to ``max(prefetch, workers)`` chunks ahead, also while the step runs.
-    ``pin_memory``: CPU chunks go to pinned memory (non-blocking copies to CUDA). Every batch
+    ``pin_memory``: CPU chunks go to pinned memory (non-blocking copies to CUDA); otherwise
+    to memory from ``buffers`` (its own when None), reused once no batch views it. Every batch
     is checked against the first batch's shapes.
     """
 
@@ -374,6 +375,7 @@ class PackedLoader:
         prefetch: int = 2,
         pin_memory: bool = False,
         chunk_batches: int | None = None,
+        buffers: OutputBuffers | None = None,
     ) -> None:
         self.dataset = dataset
         self.workers = workers
@@ -385,8 +387,11 @@ class PackedLoader:
         on_cpu = dataset.arrays.device.type == "cpu"
         self.at_once = 1 if workers or not on_cpu else torch.get_num_threads()
         # chunks alive at once: those being assembled or queued, and the one being read
-        reuse = on_cpu and not pin_memory  # (pinned memory is reused by torch's allocator)
-        self.buffers = OutputBuffers(keep=self.ahead + self.at_once + 1) if reuse else None
+        self.buffers = None  # pinned memory is reused by torch's allocator; CUDA memory too
+        if on_cpu and not pin_memory:
+            self.buffers = buffers or OutputBuffers()
+            # chunks alive at once: those being assembled or queued, and the one being read
+            self.buffers.keep_at_least(self.ahead + self.at_once + 1)
         self._pool = None
         if workers:
             self._pool = ThreadPoolExecutor(workers, "feed")

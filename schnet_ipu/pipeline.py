@@ -25,7 +25,7 @@ from schnet_ipu.data import (
     load_or_make_split,
     radius_pairs,
 )
-from schnet_ipu.feed import FeedArrays
+from schnet_ipu.feed import FeedArrays, OutputBuffers
 from schnet_ipu.loader import Layout, PackedDataset, PackedLoader
 from schnet_ipu.packing import PackingError, PackPlan, plan_packing
 
@@ -60,6 +60,8 @@ class PreparedData:
     # radius graphs: the store's (z [A], pos [A, 3]) as prepare_data read them, kept only
     # until the CPU feed is built from them (one read of the atoms per run)
     atoms: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False)
+    # memory the loaders assemble CPU chunks into, shared: the splits' loaders take turns
+    chunk_memory: OutputBuffers = field(default_factory=OutputBuffers, repr=False)
 
     @property
     def edge_counts(self) -> np.ndarray | None:
@@ -278,7 +280,9 @@ def make_loader(
                 "packing.packs_per_batch, or use more data"
             )
     pin = pin_memory and feed.device.type == "cpu"
-    return PackedLoader(dataset, cfg.loader.workers, cfg.loader.prefetch, pin_memory=pin)
+    return PackedLoader(
+        dataset, cfg.loader.workers, cfg.loader.prefetch, pin_memory=pin, buffers=data.chunk_memory
+    )
 
 
 def resident_device(setting: str, device: str, nbytes: int) -> str:

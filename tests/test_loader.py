@@ -202,6 +202,21 @@ def test_batches_a_caller_keeps_are_never_overwritten(store):
     assert_same_batches(kept, expected)
 
 
+def test_loaders_taking_turns_share_their_chunk_memory(store):
+    memory = OutputBuffers()
+    first = PackedLoader(make_dataset(store, radius=True), chunk_batches=2, buffers=memory)
+    assert sum(len(call) for call in first.epoch(0)) > 4  # several chunks
+    used = memory.nbytes()
+    assert 0 < used <= memory.keep * 2 * first.dataset.layout.batch_bytes() + 4096
+    second = PackedLoader(
+        make_dataset(store, radius=True, micro=2), chunk_batches=2, buffers=memory
+    )
+    for epoch in (0, 1):
+        for _ in second.epoch(epoch):
+            pass
+    assert memory.nbytes() == used  # the second loader wrote into the first one's buffers
+
+
 def test_replicas_read_distinct_shares_that_cover_the_epoch(store):
     shares = []
     for replica in range(2):
