@@ -215,7 +215,8 @@ class _Outputs:
     ) -> None:
         self.device, self.pin = device, pin and device.type == "cpu"
         use_buffers = buffers is not None and device.type == "cpu" and not self.pin
-        self.memory = buffers.take(nbytes + 16 * self.ALIGN) if use_buffers else None
+        slack = 16 * self.ALIGN  # room to align each of the (at most 10) tensors
+        self.memory = buffers.take(nbytes + slack) if use_buffers else None
         self.used = 0
 
     def __call__(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
@@ -307,7 +308,11 @@ class _PaddedRuns:
         return torch.cumsum(step[:-1], 0, dtype=dtype, out=out)
 
     def repeat(
-        self, items: Tensor, padding: Tensor | int, dtype: torch.dtype | None = None, out=None
+        self,
+        items: Tensor,
+        padding: Tensor | int,
+        dtype: torch.dtype | None = None,
+        out: Tensor | None = None,
     ) -> Tensor:
         """[total]: each run's value (``items`` [T] / ``padding``) at each of its positions,
         in ``dtype`` or into ``out``."""

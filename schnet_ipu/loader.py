@@ -386,10 +386,9 @@ class PackedLoader:
         self.chunk_batches = chunk_batches or max(1, CHUNK_BYTES // per_batch)
         on_cpu = dataset.arrays.device.type == "cpu"
         self.at_once = 1 if workers or not on_cpu else torch.get_num_threads()
-        # chunks alive at once: those being assembled or queued, and the one being read
         self.buffers = None  # pinned memory is reused by torch's allocator; CUDA memory too
         if on_cpu and not pin_memory:
-            self.buffers = buffers or OutputBuffers()
+            self.buffers = buffers if buffers is not None else OutputBuffers()
             # chunks alive at once: those being assembled or queued, and the one being read
             self.buffers.keep_at_least(self.ahead + self.at_once + 1)
         self._pool = None
