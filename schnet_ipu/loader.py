@@ -426,11 +426,14 @@ class PackedLoader:
         self.dataset.batch_order(epoch)  # worked out once here, not raced for by the threads
         if not self.workers:  # at_once chunks in parallel, all done before the caller goes on
             for i in range(0, len(bounds), self.at_once):
-                group = [
+                futures = [
                     self._pool.submit(self._assemble, epoch, a, b)
                     for a, b in bounds[i : i + self.at_once]
                 ]
-                yield from [unstack(future.result()) for future in group]  # (then yield)
+                group = [unstack(future.result()) for future in futures]  # (then yield)
+                del futures  # a finished future holds its chunk: the memory would stay busy
+                while group:  # nor does this generator hold a chunk it has handed out
+                    yield group.pop(0)
             return
         chunks = iter(bounds)
         pending: deque = deque()
