@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from schnet_ipu import compiled_feed
 from schnet_ipu.data import MoleculeStore
 from schnet_ipu.data.pairs import RadiusPairs
 from schnet_ipu.errors import UserError
@@ -371,18 +372,26 @@ def assemble(
     pin: bool = False,
     checked: bool = False,
     buffers: OutputBuffers | None = None,
+    compiled: bool | None = None,
 ) -> Assembled:
     """K batches from packs given flat: ``molecules`` int64 [T] indices into ``arrays`` in
     pack order, ``pack_lengths`` int64 [K * B] molecules per pack (0 = an empty pack).
 
     Raises LoaderError as :func:`check_packs` does, unless ``checked`` (the caller checked
     these packs). ``pin``: allocate the CPU outputs in pinned memory (for non-blocking copies
-    to CUDA); else ``buffers``: CPU outputs go to memory from there.
+    to CUDA); else ``buffers``: CPU outputs go to memory from there. ``compiled``: fill CPU
+    batches by :mod:`schnet_ipu.compiled_feed`'s loop (None: when numba is installed) rather
+    than by the torch program below; both give the same bytes.
     """
+    K = len(pack_lengths) // layout.packs_per_batch
+    nbytes = K * layout.batch_bytes(arrays.forces is not None)
+    output = _Outputs(nbytes, arrays.device, pin, buffers)
+    if compiled is None:
+        compiled = compiled_feed.AVAILABLE
+    if compiled and arrays.device.type == "cpu":
+        return _fill_compiled(arrays, layout, molecules, pack_lengths, output)
     lay, dev = layout, arrays.device
     B, size, slots = lay.packs_per_batch, lay.max_nodes, lay.max_graphs
-    P = len(pack_lengths)
-    K = P // B
     N, G = B * size, B * slots
     count = len(molecules)
     pack, n, pairs, pack_atoms, pack_pairs = _pack_totals(arrays, layout, molecules, pack_lengths)
@@ -393,7 +402,6 @@ def assemble(
     first_atom = _exclusive_cumsum(n)
     atom_offset = first_atom - first_atom[pack_first]
 
-    output = _Outputs(K * layout.batch_bytes(arrays.forces is not None), dev, pin, buffers)
     rows = _PaddedRuns(pack, n, pack_lengths, pack_atoms, size)  # the K * N atom rows
     source = rows.ranges(arrays.atom_start[molecules], len(arrays.z) - 1)
     z = output((K * N,), torch.int64).copy_(arrays.z.index_select(0, source))
@@ -446,6 +454,64 @@ def assemble(
         edge_mask=edge_mask,
         forces=forces,
     )
+
+
+def _fill_compiled(
+    arrays: FeedArrays, layout: Layout, molecules: Tensor, pack_lengths: Tensor, output: _Outputs
+) -> Assembled:
+    """:func:`assemble` by the compiled loop: CPU ``arrays``, packs as assemble takes them.
+    The loop checks every pack as :func:`check_packs` does (a pack it cannot hold is then
+    reported by check_packs, naming the molecule), so unchecked packs cost no extra pass."""
+    lay = layout
+    B, K = lay.packs_per_batch, len(pack_lengths) // lay.packs_per_batch
+    N, G, half = B * lay.max_nodes, B * lay.max_graphs, B * (lay.max_edges or 0) // 2
+    with_forces = arrays.forces is not None
+    fields = {
+        "z": output((K, N), torch.int64),
+        "pos": output((K, N, 3), torch.float32),
+        "forces": output((K, N, 3), torch.float32) if with_forces else torch.empty(0, 0, 3),
+        "graph": output((K, N), torch.int64),
+        "node_mask": output((K, N), torch.bool),
+        "y": output((K, G), torch.float32),
+        "graph_mask": output((K, G), torch.bool),
+        "molecule_index": output((K, G), torch.int64),
+        "edge_index": output((K, 2, 2 * half), torch.int64),
+        "edge_mask": output((K, 2 * half), torch.bool),
+    }
+    radius = lay.max_edges is not None
+    no_pairs = torch.zeros(0, dtype=torch.int64)
+    sources = [
+        arrays.z,
+        arrays.pos,
+        arrays.forces if with_forces else torch.empty(0, 3),
+        arrays.y,
+        no_pairs if arrays.store_index is None else arrays.store_index,
+        arrays.atom_start,
+        arrays.num_atoms,
+        arrays.pair_ij if radius else torch.zeros(0, 2, dtype=torch.int16),
+        arrays.pair_start if radius else no_pairs,
+        arrays.pair_count if radius else no_pairs,
+        molecules,
+        pack_lengths,
+    ]
+    sizes = (B, lay.max_nodes, lay.max_graphs, lay.max_edges or 0)
+    status = compiled_feed.fill_chunk(
+        *map(compiled_feed.as_numpy, sources),
+        *sizes,
+        PADDING_ORIGIN,
+        PADDING_SPACING,
+        *map(compiled_feed.as_numpy, fields.values()),
+    )
+    if status == compiled_feed.NO_SUCH_MOLECULE:
+        raise LoaderError(f"molecule indices outside 0..{len(arrays.num_atoms) - 1}")
+    if status != compiled_feed.FITS:
+        check_packs(arrays, layout, molecules, pack_lengths)  # raises, naming the molecule
+        raise LoaderError(f"a pack is over its limits (code {status})")
+    if not with_forces:
+        fields["forces"] = None
+    if not radius:
+        fields["edge_index"] = fields["edge_mask"] = None
+    return Assembled(**fields)
 
 
 def _edges(

@@ -8,11 +8,12 @@ its tail with empty packs so every replica gets the same number of host calls; t
 packs are all padding and contribute nothing.
 
 Batches are built a chunk (hundreds of batches) at a time by :func:`schnet_ipu.feed.assemble`
-from the split's flat arrays (:class:`~schnet_ipu.feed.FeedArrays`), on the CPU or, when
-the data is device-resident, on the training device; a batch is a row of the chunk. With
+from the split's flat arrays (:class:`~schnet_ipu.feed.FeedArrays`), on the CPU (by a
+compiled loop when numba is installed, :mod:`schnet_ipu.compiled_feed`) or, when the data
+is device-resident, on the training device; a batch is a row of the chunk. With
 ``workers > 0`` background threads assemble the next chunks while the step runs (the
-gathers release the GIL, and nothing is pickled). A batch depends only on the seed, the
-epoch and its index, never on the mode, the chunking or the thread that built it.
+loop and the gathers release the GIL, and nothing is pickled). A batch depends only on the
+seed, the epoch and its index, never on the mode, the chunking or the thread that built it.
 """
 
 from __future__ import annotations
@@ -114,6 +115,9 @@ class PackedDataset:
         shuffle: re-draw pack contents per epoch (False: the same packs every epoch).
         arrays: the store's feed arrays with ``targets`` (built from the store when None);
             batches are assembled on their device.
+
+    ``compiled`` chooses how CPU batches are filled (see :func:`schnet_ipu.feed.assemble`;
+    None: numba's loop when installed); the bytes are the same either way.
     """
 
     def __init__(
@@ -140,6 +144,7 @@ class PackedDataset:
             store, targets, None if layout.cutoff is None else radius_pairs(store, layout.cutoff)
         )
         self.slots = PackSlots(plan, self.node_counts, edge_counts)
+        self.compiled: bool | None = None
         self._packs_epoch: int | None = None
         self._packs: tuple[Tensor, Tensor, Tensor] | None = None
         self._order_epoch: int | None = None
@@ -253,6 +258,7 @@ class PackedDataset:
             pin,
             checked=True,  # by batch_order
             buffers=buffers,
+            compiled=self.compiled,
         )
         assembled.num_molecules = [b - a for a, b in zip(start[first:stop], start[first + 1 :])]
         return assembled
@@ -359,13 +365,13 @@ class PackedLoader:
 
     ``workers = 0`` assembles chunks of batches only while the caller waits for them (never
     while a training step runs): on a CPU with several torch threads, one chunk per thread at
-    once, each thread on its own chunk with one torch thread (cumsum and the int32 gathers
-    run on one core whatever torch's thread count, so this keeps every core busy; 8-15%
-    faster than one chunk on two threads on the 2-core dev box). ``workers > 0`` background threads
-    assemble up to ``max(prefetch, workers)`` chunks ahead, also while the step runs.
-    ``pin_memory``: CPU chunks go to pinned memory (non-blocking copies to CUDA); otherwise
-    to memory from ``buffers`` (its own when None), reused once no batch views it. Every batch
-    is checked against the first batch's shapes.
+    once, each thread on its own chunk with one torch thread (the compiled loop runs on one
+    core, and so do cumsum and the int32 gathers of the torch program whatever torch's thread
+    count: this keeps every core busy). ``workers > 0`` background threads assemble up to
+    ``max(prefetch, workers)`` chunks ahead, also while the step runs. ``pin_memory``: CPU
+    chunks go to pinned memory (non-blocking copies to CUDA); otherwise to memory from
+    ``buffers`` (its own when None), reused once no batch views it. Every batch is checked
+    against the first batch's shapes.
     """
 
     def __init__(

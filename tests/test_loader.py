@@ -1,4 +1,5 @@
-"""Fixed-shape batches from real QM9 rows: shapes, masks, cover, determinism, failures."""
+"""Fixed-shape batches from real QM9 rows: shapes, masks, cover, determinism, failures (each
+test on both the compiled loop and the torch program)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from schnet_ipu import compiled_feed
 from schnet_ipu.data import MoleculeStore, edge_counts, import_qm9, write_store
 from schnet_ipu.data.graphs import molecule_pairs
 from schnet_ipu.feed import OutputBuffers
@@ -29,6 +31,16 @@ def store(tmp_path_factory) -> MoleculeStore:
     path = tmp_path_factory.mktemp("qm9") / "qm9_300.h5"
     import_qm9(path, limit=300)
     return MoleculeStore(path)
+
+
+@pytest.fixture(autouse=True, params=["compiled", "torch"])
+def program(request, monkeypatch) -> str:
+    """Every test runs on both ways CPU batches are filled: numba's compiled loop, and the
+    torch program (which also runs on a GPU for device-resident data)."""
+    if request.param == "compiled" and not compiled_feed.AVAILABLE:
+        pytest.skip("numba is not installed (requirements.txt): no compiled loop")
+    monkeypatch.setattr(compiled_feed, "AVAILABLE", request.param == "compiled")
+    return request.param
 
 
 def make_dataset(store, radius=False, replicas=1, replica=0, micro=1, indices=None, targets=None):
