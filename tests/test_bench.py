@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from schnet_ipu import compiled_feed
 from schnet_ipu.bench.common import Timing, write_report
 from schnet_ipu.config import ModelConfig
 from schnet_ipu.data import import_qm9
@@ -60,9 +61,11 @@ def test_loader(store: Path, tmp_path: Path) -> None:
     report = loader.run_loader(store, small, workers=(0, 1), pyg_molecules=50)
     loaded = check_report(report, "loader", tmp_path, loader)
     names = [r["name"] for r in loaded["results"]]
+    torch_program = ["ours 0 workers, torch program"] if compiled_feed.AVAILABLE else []
     assert names == [
         "ours 0 workers",
         "ours 1 workers",
+        *torch_program,
         "ours device-resident",
         "stock PyG DataLoader",
     ]

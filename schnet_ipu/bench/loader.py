@@ -1,13 +1,16 @@
 """Loader-only molecules/s of ``configs/qm9.yaml``'s training loader, cold and warm, for
 every feed mode, side by side with stock PyG's DataLoader over the same molecules.
 
-Modes: in-process (workers 0), background threads (workers 1, 2) and device-resident (the
-split's arrays on the training device: CUDA when present, else the CPU, where it is the
-in-process program on the same tensors). Cold: the one-time radius-pair build of a fresh
-store copy, plus reading the store into the feed arrays, plus the first epoch; warm: the
-next epoch. PyG: ``torch_geometric.loader.DataLoader`` over ``Data`` objects read from the
-store, the radius graph built per molecule as a transform (pure torch; torch-cluster is not
-installed); cold includes reading the molecules into ``Data`` objects.
+Modes: in-process (workers 0), background threads (workers 1, 2), in-process with the
+torch program instead of numba's compiled loop (what runs where numba is missing, and what
+a GPU runs), and device-resident (the split's arrays on the training device: CUDA when
+present, else the CPU, where it is the in-process mode on the same tensors). Cold: the
+one-time radius-pair build of a fresh store copy, plus reading the store into the feed
+arrays, plus the first epoch; warm: the median of the next epochs. PyG:
+``torch_geometric.loader.DataLoader`` over ``Data`` objects read from the store, the radius
+graph built per molecule as a transform (pure torch; torch-cluster is not installed); cold
+includes reading the molecules into ``Data`` objects. Imports (torch, PyG, numba's loading
+of the compiled loop) are outside every row's timing.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from schnet_ipu import compiled_feed
 from schnet_ipu.bench.common import QM9_STORE, new_report, ratio
 from schnet_ipu.config import load_config
 from schnet_ipu.data import MoleculeStore, radius_edges
@@ -71,7 +75,9 @@ def epoch_seconds(loader: PackedLoader, epoch: int) -> float:
     return finished(loader) - start
 
 
-def ours(cfg, data: PreparedData, name: str, workers: int, device: str, pairs_s: float) -> dict:
+def ours(
+    cfg, data: PreparedData, name: str, workers: int, device: str, pairs_s: float, compiled: bool
+) -> dict:
     cfg.loader.workers = workers
     cfg.loader.device_resident = "true" if device != "cpu" else "false"
     data.feeds.clear()  # read the store again: cold
@@ -79,6 +85,7 @@ def ours(cfg, data: PreparedData, name: str, workers: int, device: str, pairs_s:
     data.chunk_memory = OutputBuffers()  # nor the memory an earlier mode's chunks used
     start = time.perf_counter()
     loader = make_loader(cfg, data, "train", device=device)
+    loader.dataset.compiled = compiled
     setup = time.perf_counter() - start
     molecules, first = epoch_molecules(loader, 0)
     warm = statistics.median(epoch_seconds(loader, e) for e in range(1, 1 + WARM_EPOCHS))
@@ -168,10 +175,12 @@ def run_loader(
         cfg = load_config(CONFIG, [f"data.path={copy}", "backend.device=cpu", *overrides])
         data = prepare_data(cfg)
         pairs_s = data.timings.get("edge_counts", 0.0)
-        modes = [(f"ours {w} workers", w, "cpu") for w in workers]
+        loop = compiled_feed.AVAILABLE  # numba's compiled loop fills CPU batches
+        modes = [(f"ours {w} workers", w, "cpu", loop) for w in workers]
+        modes += [("ours 0 workers, torch program", 0, "cpu", False)] if loop else []
         rows = []
-        for name, count, where in [*modes, ("ours device-resident", 0, device)]:
-            rows.append(ours(cfg, data, name, count, where, pairs_s))
+        for name, count, where, compiled in [*modes, ("ours device-resident", 0, device, loop)]:
+            rows.append(ours(cfg, data, name, count, where, pairs_s, compiled))
             progress(rows[-1])
         per_batch = rows[0]["molecules"] / (len(make_loader(cfg, data, "train")) or 1)
         reference = pyg(data, cfg.model.cutoff, max(1, round(per_batch)), pyg_molecules)
@@ -197,6 +206,13 @@ def run_loader(
         f"every batch's molecules); warm = the median of the next {WARM_EPOCHS} epochs, "
         "iterating the loader alone (every epoch holds every training molecule once).",
         "workers = background threads assembling chunks of batches ahead (no processes).",
+        "CPU batches are filled by numba's compiled loop"
+        + (
+            "; the 'torch program' row fills them by the torch program instead (what runs "
+            "without numba, and on a GPU for device-resident data)."
+            if compiled_feed.AVAILABLE
+            else ": NOT here (numba is not installed): every row ran the torch program."
+        ),
         f"device-resident ran on {device}{NO_GPU if device == 'cpu' else ''}.",
         f"PyG: stock DataLoader, {reference['molecules']} of the same molecules, "
         f"{max(1, round(per_batch))} per batch (ours' mean), radius graph per molecule by "
