@@ -502,8 +502,11 @@ def _fill_compiled(
         PADDING_SPACING,
         *map(compiled_feed.as_numpy, fields.values()),
     )
-    if status == compiled_feed.NO_SUCH_MOLECULE:
-        raise LoaderError(f"molecule indices outside 0..{len(arrays.num_atoms) - 1}")
+    if status == compiled_feed.BAD_MOLECULES:
+        raise LoaderError(
+            f"{len(molecules)} molecules for packs of {int(pack_lengths.sum())}, or indices "
+            f"outside 0..{len(arrays.num_atoms) - 1}"
+        )
     if status != compiled_feed.FITS:
         check_packs(arrays, layout, molecules, pack_lengths)  # raises, naming the molecule
         raise LoaderError(f"a pack is over its limits (code {status})")

@@ -110,7 +110,7 @@ def test_a_molecule_index_outside_the_arrays_is_an_error(store):
     data = dataset(store, radius=True)
     lengths = torch.tensor([1] + [0] * (data.layout.packs_per_batch - 1))
     for bad in (len(store), -1):
-        with pytest.raises(LoaderError, match="molecule indices outside"):
+        with pytest.raises(LoaderError, match="indices outside"):
             feed.assemble(data.arrays, data.layout, torch.tensor([bad]), lengths, compiled=True)
 
 
