@@ -161,3 +161,42 @@ def as_numpy(values) -> np.ndarray:
     if not array.flags.c_contiguous:
         raise ValueError("compiled_feed: arrays must be C-contiguous")
     return array
+
+
+def _find_pairs(x, y, z, starts, sizes, limit, counts, pairs):
+    """Every molecule r's pairs (i, j) within the cutoff, i < j, i then j, written one
+    molecule after the other into ``pairs`` int32 [room, 2] (room for all n(n-1)/2 pairs of
+    every molecule); ``counts[r]``: how many molecule r has. Molecule r: atoms ``starts[r]``
+    onwards, ``sizes[r]`` of them, coordinates ``x``, ``y``, ``z`` float32 [A]; ``limit``:
+    the float32 square of the cutoff. Returns the pairs written. The test is that of
+    :func:`schnet_ipu.data.graphs.within_cutoff`, bit for bit: float32 differences, squares
+    summed x, y, z in that order, ``<= limit``."""
+    row = 0
+    for r in range(len(sizes)):
+        s, n, before = starts[r], sizes[r], row
+        for i in range(n):
+            for j in range(i + 1, n):
+                dx, dy, dz = x[s + i] - x[s + j], y[s + i] - y[s + j], z[s + i] - z[s + j]
+                if dx * dx + dy * dy + dz * dz <= limit:
+                    pairs[row, 0], pairs[row, 1] = i, j
+                    row += 1
+        counts[r] = row - before
+    return row
+
+
+find_pairs = None
+if AVAILABLE:
+    _int64s = _array(numba.types.int64, 1)
+    find_pairs = numba.njit(
+        numba.types.int64(
+            *[_array(numba.types.float32, 1)] * 3,
+            _int64s,
+            _int64s,
+            numba.types.float32,
+            _int64s,
+            _array(numba.types.int32, 2),
+        ),
+        nogil=True,
+        cache=True,
+        boundscheck=False,
+    )(_find_pairs)
