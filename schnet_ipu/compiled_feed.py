@@ -1,4 +1,4 @@
-"""The CPU feed's batches written by one compiled loop (numba), when numba is installed.
+"""The CPU feed's compiled loops (numba, when installed): batches, and radius pairs.
 
 :func:`schnet_ipu.feed.assemble` builds a chunk of batches from a few whole-chunk torch ops
 (gathers, cumsums), which is also what runs on a GPU when the data is device-resident. On a
@@ -10,8 +10,10 @@ same bytes, bit for bit (a test compares both programs), in 45-55% of the time o
 
 The loop is compiled when this module is imported (numba: ~2 s per dtype of the pair table
 the first time, cached beside this file; ~0.6 s to load from the cache in a new process), so
-the first epoch does not wait for it. Without numba (``AVAILABLE`` is False: e.g. an image
-where it cannot be installed) the feed runs the torch program on the CPU too.
+the first epoch does not wait for it. :func:`find_pairs` finds every molecule's radius
+pairs for the pairs file (:mod:`schnet_ipu.data.pairs`) with within_cutoff's float32 test.
+Without numba (``AVAILABLE`` is False: e.g. an image where it cannot be installed) the
+torch versions run on the CPU too.
 """
 
 from __future__ import annotations
