@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from schnet_ipu import compiled_feed
 from schnet_ipu.data import import_qm9
 
 
@@ -22,3 +23,13 @@ def restore_threads():
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(params=["compiled", "torch"])
+def feed_program(request, monkeypatch) -> str:
+    """Run a test on both ways the CPU feed is computed: numba's compiled loops, and the
+    torch programs (which also run on a GPU for device-resident data, and without numba)."""
+    if request.param == "compiled" and not compiled_feed.AVAILABLE:
+        pytest.skip("numba is not installed (requirements.txt): no compiled loops")
+    monkeypatch.setattr(compiled_feed, "AVAILABLE", request.param == "compiled")
+    return request.param

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from schnet_ipu import compiled_feed, feed
-from schnet_ipu.data import MoleculeStore, edge_counts, import_qm9, write_store
+from schnet_ipu.data import MoleculeStore, edge_counts
 from schnet_ipu.loader import (
     Layout,
     LoaderError,
@@ -28,10 +28,8 @@ CUTOFF = 5.0
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory) -> MoleculeStore:
-    path = tmp_path_factory.mktemp("qm9") / "qm9_400.h5"
-    import_qm9(path, limit=400)
-    return MoleculeStore(path)
+def store(qm9_store) -> MoleculeStore:
+    return MoleculeStore(qm9_store)
 
 
 def dataset(store: MoleculeStore, radius: bool, packs_per_batch: int = 5) -> PackedDataset:
@@ -65,26 +63,16 @@ def test_compiled_loop_writes_the_torch_programs_bytes(store, radius):
                 assert torch.equal(value, theirs[name]), name
 
 
-def test_forces_and_given_molecules_too(store, tmp_path):
-    z, pos = store.concatenated()
-    forces = np.random.default_rng(1).normal(size=pos.shape).astype(np.float32)
-    path = write_store(
-        tmp_path / "forces.h5", z, pos, {"U0": store.target("U0")}, {"U0": "eV"},
-        offsets=store.offsets, forces=forces, forces_unit="eV/Angstrom",
-    )  # fmt: skip
-    data = dataset(MoleculeStore(path), radius=True)
-    for ours, theirs in zip(epoch(data, True, 0), epoch(data, False, 0)):
-        assert all(torch.equal(ours[k], theirs[k]) for k in ours), "forces store"
-    # collate: molecules from outside a store (their own indices, -1 here)
+def test_given_molecules_too(store, monkeypatch):
+    """collate: molecules from outside a store (their own indices, -1 here). (Forces are
+    checked on both programs by tests/test_loader.py.)"""
+    data = dataset(store, radius=True)
     targets = store.target("U0")
     packs = [[PackMolecule(*store.molecule(m), float(targets[m]), -1) for m in (3, 9)], []]
     layout = dataclasses.replace(data.layout, packs_per_batch=2)
     with_loop = collate(packs, layout)
-    compiled_feed.AVAILABLE, was = False, compiled_feed.AVAILABLE
-    try:
-        without = collate(packs, layout)
-    finally:
-        compiled_feed.AVAILABLE = was
+    monkeypatch.setattr(compiled_feed, "AVAILABLE", False)
+    without = collate(packs, layout)
     for ours, theirs in zip(with_loop.as_tuple(), without.as_tuple()):
         assert torch.equal(ours, theirs)
     assert with_loop.molecule_index.tolist().count(-1) == layout.packs_per_batch * layout.max_graphs

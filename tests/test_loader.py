@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 
-from schnet_ipu import compiled_feed
 from schnet_ipu.data import MoleculeStore, edge_counts, import_qm9, write_store
 from schnet_ipu.data.graphs import molecule_pairs
 from schnet_ipu.feed import OutputBuffers
@@ -33,14 +32,7 @@ def store(tmp_path_factory) -> MoleculeStore:
     return MoleculeStore(path)
 
 
-@pytest.fixture(autouse=True, params=["compiled", "torch"])
-def program(request, monkeypatch) -> str:
-    """Every test runs on both ways CPU batches are filled: numba's compiled loop, and the
-    torch program (which also runs on a GPU for device-resident data)."""
-    if request.param == "compiled" and not compiled_feed.AVAILABLE:
-        pytest.skip("numba is not installed (requirements.txt): no compiled loop")
-    monkeypatch.setattr(compiled_feed, "AVAILABLE", request.param == "compiled")
-    return request.param
+pytestmark = pytest.mark.usefixtures("feed_program")  # every test on both programs
 
 
 def make_dataset(store, radius=False, replicas=1, replica=0, micro=1, indices=None, targets=None):

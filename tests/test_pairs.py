@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 
-from schnet_ipu import compiled_feed
 from schnet_ipu.config import load_config
 from schnet_ipu.data import MoleculeStore, edge_counts, import_qm9, radius_pairs, write_store
 from schnet_ipu.data.graphs import molecule_pairs
@@ -20,13 +19,7 @@ from schnet_ipu.pipeline import prepare_data
 CUTOFF = 3.0
 
 
-@pytest.fixture(autouse=True, params=["compiled", "torch"])
-def program(request, monkeypatch) -> str:
-    """Every test runs on both pair builds: numba's compiled loops and torch's."""
-    if request.param == "compiled" and not compiled_feed.AVAILABLE:
-        pytest.skip("numba is not installed (requirements.txt): no compiled loops")
-    monkeypatch.setattr(compiled_feed, "AVAILABLE", request.param == "compiled")
-    return request.param
+pytestmark = pytest.mark.usefixtures("feed_program")  # every test on both programs
 
 
 @pytest.fixture(scope="module")
