@@ -19,6 +19,7 @@ torch versions run on the CPU too.
 from __future__ import annotations
 
 import numpy as np
+from torch import Tensor
 
 try:
     import numba
@@ -126,7 +127,7 @@ def _fill_chunk(
     return FITS
 
 
-def _signature(pair_dtype):
+def _chunk_signature(pair_dtype):
     """The loop's signature for one pair-table dtype (it is compiled for int16 and int32)."""
     t = numba.types
     i64, f32 = t.int64, t.float32
@@ -147,19 +148,9 @@ def _array(dtype, ndim: int):
     return numba.types.Array(dtype, ndim, "C")
 
 
-fill_chunk = None
-if AVAILABLE:
-    fill_chunk = numba.njit(
-        [_signature(numba.types.int16), _signature(numba.types.int32)],
-        nogil=True,  # chunks are filled on several threads at once
-        cache=True,
-        boundscheck=False,
-    )(_fill_chunk)
-
-
-def as_numpy(values) -> np.ndarray:
-    """A CPU tensor (or array) as the C-contiguous numpy array the loop reads or writes."""
-    array = values.numpy() if hasattr(values, "numpy") else np.asarray(values)
+def as_numpy(values: Tensor) -> np.ndarray:
+    """A CPU tensor as the C-contiguous numpy array (a view) the loop reads or writes."""
+    array = values.numpy()
     if not array.flags.c_contiguous:
         raise ValueError("compiled_feed: arrays must be C-contiguous")
     return array
@@ -186,19 +177,24 @@ def _find_pairs(x, y, z, starts, sizes, limit, counts, pairs):
     return row
 
 
-find_pairs = None
+def _pairs_signature():
+    """The pair loop's one signature: float32 [A] x, y, z, int64 runs, the float32 limit."""
+    t = numba.types
+    vector = _array(t.int64, 1)
+    return t.int64(
+        *[_array(t.float32, 1)] * 3, vector, vector, t.float32, vector, _array(t.int32, 2)
+    )
+
+
+# Compiled at import (both release the GIL: chunks and runs are filled on several threads).
+fill_chunk = find_pairs = None
 if AVAILABLE:
-    _int64s = _array(numba.types.int64, 1)
-    find_pairs = numba.njit(
-        numba.types.int64(
-            *[_array(numba.types.float32, 1)] * 3,
-            _int64s,
-            _int64s,
-            numba.types.float32,
-            _int64s,
-            _array(numba.types.int32, 2),
-        ),
+    fill_chunk = numba.njit(
+        [_chunk_signature(numba.types.int16), _chunk_signature(numba.types.int32)],
         nogil=True,
         cache=True,
         boundscheck=False,
-    )(_find_pairs)
+    )(_fill_chunk)
+    find_pairs = numba.njit(_pairs_signature(), nogil=True, cache=True, boundscheck=False)(
+        _find_pairs
+    )

@@ -8,6 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from batches import assert_same_batches, epoch_batches
 
 from schnet_ipu.data import MoleculeStore, edge_counts, import_qm9, write_store
 from schnet_ipu.data.graphs import molecule_pairs
@@ -52,10 +53,6 @@ def make_dataset(store, radius=False, replicas=1, replica=0, micro=1, indices=No
     )
     targets = store.target("U0") if targets is None else targets
     return PackedDataset(store, indices, targets, plan, layout, seed=7, edge_counts=edges)
-
-
-def epoch_batches(loader: PackedLoader, epoch: int) -> list:
-    return [b for call in loader.epoch(epoch) for b in call]
 
 
 @pytest.mark.parametrize("radius", [False, True], ids=["knn", "radius"])
@@ -136,15 +133,6 @@ def test_epochs_redraw_contents_but_not_shapes(store):
     assert a.signature() == b.signature()
     assert not torch.equal(a.molecule_index, b.molecule_index)
     assert torch.equal(dataset[(0, 0)].molecule_index, a.molecule_index)
-
-
-def assert_same_batches(xs, ys) -> None:
-    xs, ys = list(xs), list(ys)
-    assert len(xs) == len(ys)
-    for x, y in zip(xs, ys, strict=True):
-        assert x.present_fields() == y.present_fields() and x.signature() == y.signature()
-        for t, u in zip(x.as_tuple(), y.as_tuple(), strict=True):
-            assert torch.equal(t, u)
 
 
 def test_same_batches_whatever_the_mode_threads_and_chunking(store, restore_threads):

@@ -14,6 +14,7 @@ each molecule, so planning and batches come from one computation.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -128,17 +129,17 @@ def build_pairs(
     coords = torch.from_numpy(np.ascontiguousarray(pos.T, dtype=np.float32))  # [3, A]: x, y, z
     sizes = store.num_atoms
     dtype = np.min_scalar_type(max(int(sizes.max()) - 1, 0))
-    tables = {}  # the torch version's pair tables, one per molecule size present
-    if not compiled_feed.AVAILABLE:
+    if compiled_feed.AVAILABLE:
+        run_pairs = _run_pairs_compiled
+    else:  # torch, on the pair tables of every molecule size present
         present = np.flatnonzero(np.bincount(sizes)).tolist()  # np.unique: ~0.1 s first call
         tables = {n: _PairTable.of(n, dtype) for n in present if n > 1}
+        run_pairs = functools.partial(_run_pairs, tables=tables)
     run = max(1, _BLOCK_ELEMENTS // max(_num_pairs(int(sizes.max())), 1))
 
     def test(lo: int) -> tuple[np.ndarray, np.ndarray]:
         part = slice(lo, lo + run)
-        if compiled_feed.AVAILABLE:
-            return _run_pairs_compiled(coords, store.offsets[part], sizes[part], cutoff, dtype)
-        return _run_pairs(coords, store.offsets[part], sizes[part], cutoff, tables, dtype)
+        return run_pairs(coords, store.offsets[part], sizes[part], cutoff, dtype)
 
     bar = tqdm(
         total=len(store),
@@ -165,8 +166,8 @@ def _run_pairs(
     starts: np.ndarray,
     sizes: np.ndarray,
     cutoff: float,
-    tables: dict[int, _PairTable],
     dtype: np.dtype,
+    tables: dict[int, _PairTable],
 ) -> tuple[np.ndarray, np.ndarray]:
     """The pairs of a run of R molecules (first atoms ``starts`` [R], ``sizes`` [R]) in
     ``coords`` [3, A]: int64 counts [R] and the kept (i, j) codes [P_run] (``dtype`` pairs
