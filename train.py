@@ -4,7 +4,8 @@
     python train.py --config configs/qm9.yaml --print-config optim.lr=5e-4
     python train.py evaluate --run runs/qm9_quickstart [--split test]
     python train.py predict --run runs/qm9_quickstart [--split test] [--out predictions.csv]
-    python train.py predict --run runs/emt_forces --input new.extxyz --out predicted.extxyz
+    python train.py predict --model best.pt [--model b.pt ...] --input new.extxyz --out out.extxyz
+    python train.py export --run runs/emt_forces --out emt.torchscript.pt [--dtype float64]
 
 Re-running a training command in the same run directory resumes from its last checkpoint;
 --fresh discards that run instead.
@@ -25,6 +26,8 @@ from schnet_ipu.errors import run_cli
 def main(argv: list[str]) -> int:
     """Every command's errors pass :func:`run_cli`: user errors become one line, exit 2."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    if argv and argv[0] == "export":
+        return run_cli(lambda: export_command(argv[1:]))
     if argv and argv[0] in ("evaluate", "predict"):
         return run_cli(lambda: run_command(argv[0], argv[1:]))
     return run_cli(lambda: train_command(argv))
@@ -51,9 +54,16 @@ def train_command(argv: list[str]) -> int:
 
 def run_command(command: str, argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog=f"train.py {command}")
-    parser.add_argument("--run", type=Path, required=True, help="run directory")
+    parser.add_argument("--run", type=Path, help="run directory")
     parser.add_argument("--split", default="test", choices=("train", "val", "test"))
+    parser.set_defaults(model=None, input=None, out=None)
     if command == "predict":
+        parser.add_argument(
+            "--model",
+            type=Path,
+            action="append",
+            help="checkpoint file or run folder (repeat for an ensemble); needs --input",
+        )
         parser.add_argument(
             "--out",
             type=Path,
@@ -64,20 +74,47 @@ def run_command(command: str, argv: list[str]) -> int:
             "--input", type=Path, help="ASE-readable structures: writes them as extxyz to --out"
         )
     args = parser.parse_args(argv)
-    from schnet_ipu.training import evaluate_run, predict_run
+    models = args.model or ([args.run] if args.run else [])
+    if not models:
+        parser.error("give --run RUN" + (" or --model FILE" if command == "predict" else ""))
+    if command == "predict" and args.input is not None:
+        from schnet_ipu.inference import predict_file
+
+        if args.out is None and args.run is None:
+            parser.error("--model with --input needs --out")
+        out = args.out or args.run / "predictions.extxyz"
+        frames = predict_file(models, args.input, out)
+        print(f"wrote {frames} structures with predicted energy and forces to {out}")
+        return 0
+    if args.run is None:
+        parser.error(f"{command} of a split needs --run RUN (the run's data)")
+    from schnet_ipu.evaluation import evaluate_run, predict_run
 
     if command == "evaluate":
         print(json.dumps(evaluate_run(args.run, args.split), indent=2))
-    elif args.input is not None:
-        from schnet_ipu.inference import predict_file
-
-        out = args.out or args.run / "predictions.extxyz"
-        frames = predict_file(args.run, args.input, out)
-        print(f"wrote {frames} structures with predicted energy and forces to {out}")
     else:
         out = args.out or args.run / f"predictions_{args.split}.csv"
         rows = predict_run(args.run, args.split, out)
         print(f"wrote {rows} predictions to {out}")
+    return 0
+
+
+def export_command(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="train.py export",
+        description="Write a trained model as a TorchScript file that plain torch loads.",
+    )
+    parser.add_argument("--run", type=Path, required=True, help="run folder or checkpoint file")
+    parser.add_argument("--out", type=Path, required=True, help="TorchScript file to write")
+    parser.add_argument("--checkpoint", default="best", choices=("best", "last"))
+    parser.add_argument("--dtype", default="float32", choices=("float32", "float64"))
+    args = parser.parse_args(argv)
+    import torch
+
+    from schnet_ipu.inference import export_model
+
+    meta = export_model(args.run, args.out, args.checkpoint, getattr(torch, args.dtype))
+    print(f"wrote {args.out} (TorchScript): {meta['interface']}; energy {meta['energy']}")
     return 0
 
 

@@ -1,42 +1,51 @@
-"""A trained run as an ASE calculator: relaxations, molecular dynamics, anything ASE drives.
+"""Trained models as an ASE calculator: relaxations, molecular dynamics, anything ASE drives.
 
-    atoms.calc = SchNetCalculator("runs/emt_forces")
+    atoms.calc = SchNetCalculator("runs/emt_forces")               # a run folder
+    atoms.calc = SchNetCalculator("best.pt")                        # a model file, alone
+    atoms.calc = SchNetCalculator(["a/best.pt", "b/best.pt"])       # an ensemble
     BFGS(atoms).run(fmax=0.05)
 
 Energies are in the unit of the run's target (eV for data imported with ``data.source=ase``),
 forces are ``-dE/dpos`` by autograd in that unit per Angstrom. The model runs in float64 by
-default, so energies are smooth enough for finite differences and long trajectories.
+default, so energies are smooth enough for finite differences and long trajectories; pass
+``dtype=torch.float32`` for speed. An ensemble gives the members' mean and, in
+``results["energy_std"]`` and ``results["forces_std"]``, their spread.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import torch
 from ase.calculators.calculator import Calculator, all_changes
 
 from schnet_ipu.data.ase_files import check_frame
-from schnet_ipu.inference import Predictor
+from schnet_ipu.inference import ModelPaths, Predictor
 
 
 class SchNetCalculator(Calculator):
     """``energy``, ``free_energy`` (the same) and ``forces`` of one open (non-periodic)
-    ``Atoms`` from the run's ``checkpoint`` ("best" or "last") weights."""
+    ``Atoms`` from checkpoint files or run folders (``checkpoint``: "best" or "last")."""
 
-    implemented_properties = ("energy", "free_energy", "forces")
+    implemented_properties = ("energy", "free_energy", "forces", "energy_std", "forces_std")
 
     def __init__(
         self,
-        run_dir: str | Path,
+        model: ModelPaths,
         checkpoint: str = "best",
         dtype: torch.dtype = torch.float64,
         **kwargs,
     ) -> None:
         super().__init__(**kwargs)
-        self.predictor = Predictor(Path(run_dir), checkpoint, dtype)
+        self.predictor = Predictor(model, checkpoint, dtype)
 
     def calculate(self, atoms=None, properties=("energy",), system_changes=all_changes) -> None:
         super().calculate(atoms, properties, system_changes)
-        structure = check_frame(self.atoms, "SchNetCalculator: atoms")
-        [(energy, forces)] = self.predictor.predict([structure])
-        self.results = {"energy": energy, "free_energy": energy, "forces": forces}
+        z, pos = check_frame(self.atoms, "SchNetCalculator: atoms")
+        result = self.predictor.predict(z, pos, "SchNetCalculator: atoms")
+        self.results = {
+            "energy": result.energy,
+            "free_energy": result.energy,
+            "forces": result.forces,
+        }
+        if len(self.predictor.modules) > 1:
+            self.results["energy_std"] = result.energy_std
+            self.results["forces_std"] = result.forces_std

@@ -5,30 +5,29 @@
 With ``backend.replicas > 1`` the loop runs in R processes (or under torchrun); rank 0
 writes the logs and checkpoints. Re-running in the same run directory resumes from the
 last checkpoint and ends with the same weights as an uninterrupted run.
+
+The components come from :mod:`schnet_ipu.components`, the loss and metrics from the task
+(:mod:`schnet_ipu.task`); every checkpoint is a self-contained model file
+(:mod:`schnet_ipu.model_file`).
 """
 
 from __future__ import annotations
 
-import csv
-import dataclasses
-import errno
-import functools
 import logging
 import math
-import os
 import shutil
 import signal
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from tqdm import tqdm
 
-from schnet_ipu.backends import TorchBackend, make_backend, select_device
+from schnet_ipu.backends import Backend, select_device
 from schnet_ipu.backends.distributed import (
     ReplicaInfo,
     broadcast_parameters,
@@ -48,25 +47,15 @@ from schnet_ipu.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from schnet_ipu.config import Config, ConfigError, config_from_dict
-from schnet_ipu.errors import CheckpointError, UserError
-from schnet_ipu.forces import (
-    EnergyForceLoss,
-    error_sums,
-    evaluate_forces,
-    force_predictions,
-    force_rms,
-    metrics_from_sums,
-    trivial_baselines,
-)
+from schnet_ipu.components import make_scheduler, make_trainer, model_spec
+from schnet_ipu.config import Config
+from schnet_ipu.errors import UserError
 from schnet_ipu.loader import PackedLoader
-from schnet_ipu.model import SchNet, masked_mse
-from schnet_ipu.pipeline import PreparedData, make_loader, prepare_data
-from schnet_ipu.plots import evaluation_plots
+from schnet_ipu.pipeline import make_loader, prepare_data
 from schnet_ipu.runlog import RunLog, plot_learning_curve, read_records, truncate_after
+from schnet_ipu.task import Task, evaluate, trivial_baselines
 
 log = logging.getLogger("schnet_ipu")
-TORCH_VERSION = tuple(int(part) for part in torch.__version__.split(".")[:2])  # (2, 13)
 
 
 class TrainingError(UserError, RuntimeError):
@@ -74,13 +63,12 @@ class TrainingError(UserError, RuntimeError):
 
 
 @dataclass
-class Metrics:
-    """Errors over the real molecules of one split, in the target's unit."""
+class Progress:
+    """Where a run stands: the next epoch, host calls done in it, the best validation MAE."""
 
-    mae: float
-    rmse: float
-    loss: float  # mean standardised squared error, comparable with the training loss
-    molecules: int
+    epoch: int = 0
+    call: int = 0
+    best_mae: float = math.inf
 
 
 def train(cfg: Config, fresh: bool = False) -> dict:
@@ -98,72 +86,55 @@ def _run_replica(rank: int, cfg: Config, fresh: bool) -> None:
 
 
 def run(cfg: Config, fresh: bool = False) -> None:
-    """One replica's whole run. Rank 0 logs; every rank steps."""
+    """One replica's whole run. Rank 0 logs and writes checkpoints; every rank steps."""
     wall_start = time.perf_counter()
     device = select_device(cfg.backend.device)
     replica = init_replica(cfg.backend, device)
-    main = replica.is_main
     run_dir = Path(cfg.logging.run_dir)
     last_path, best_path = run_dir / "checkpoints/last.pt", run_dir / "checkpoints/best.pt"
-    resume = load_checkpoint(last_path) if main and last_path.exists() and not fresh else None
-    resume = from_rank0(resume, replica)  # instances on other hosts may not see the run dir
-    if resume is not None:
-        check_same_run(resume["config"], cfg.to_dict(), run_dir)
-
+    resume = read_resume(cfg, last_path, fresh, replica)
     if cfg.backend.threads:
         torch.set_num_threads(cfg.backend.threads)
     np.random.seed(cfg.seed)
     # rank 0 imports and caches the data; the others wait for it, then read its caches
     data = prepare_once(lambda: prepare_data(cfg), replica, Path(cfg.data.path).parent)
-    model, optimizer, backend = make_trainer(cfg, data, replica, device)
-    pin = device.startswith("cuda")
+    model, optimizer, backend, task = make_trainer(cfg, data, replica, device)
     # PopTorch (and its emulator) replicates inside one process, which feeds its replicas
     in_call = replicas_in_call(cfg.backend, device, replica)
-    train_loader = make_loader(
-        cfg, data, "train", replica.rank, replica.world_size, pin, in_call, device
-    )
-    val_loader = make_loader(cfg, data, "val", replica.rank, replica.world_size, pin, 1, device)
-    steps_per_epoch = len(train_loader) * cfg.backend.device_iterations
-    scheduler = make_scheduler(cfg, optimizer, steps_per_epoch)
-
-    start_epoch, start_call, best_mae = 0, 0, math.inf
+    pin, rank, world = device.startswith("cuda"), replica.rank, replica.world_size
+    train_loader = make_loader(cfg, data, "train", rank, world, pin, in_call, device)
+    val_loader = make_loader(cfg, data, "val", rank, world, pin, 1, device)
+    scheduler = make_scheduler(cfg, optimizer, len(train_loader) * cfg.backend.device_iterations)
+    progress = Progress()
     if resume is not None:
         with restoring(last_path):
             model.load_state_dict(resume["model"])
             optimizer.load_state_dict(resume["optimizer"])
             scheduler.load_state_dict(resume["scheduler"])
             set_rng_state(resume["rng"])
-            start_epoch, start_call = int(resume["epoch"]), int(resume["call"])
-            best_mae = float(resume["best_mae"])
+            progress = Progress(
+                int(resume["epoch"]), int(resume["call"]), float(resume["best_mae"])
+            )
         backend.after_host_weight_load()
-        log.info("resuming %s at epoch %d, host call %d", run_dir, start_epoch, start_call)
-    if main:  # bad data or a bad checkpoint stopped the run above, before any write here
-        if fresh and run_dir.exists():
-            shutil.rmtree(run_dir)
-        if resume is None:  # records of a run that crashed before its first checkpoint
-            (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-        else:  # records after the checkpoint will be written again; a torn line goes
-            truncate_after(run_dir / "metrics.jsonl", start_epoch, start_call)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(cfg.to_yaml())
-    runlog = RunLog(run_dir, cfg) if main else None
-    if runlog is not None and resume is None:
-        runlog.write("stage", **{f"{k}_seconds": v for k, v in data.timings.items()})
+        log.info("resuming %s at epoch %d, host call %d", run_dir, progress.epoch, progress.call)
+    runlog = open_run_dir(cfg, run_dir, fresh, progress if resume else None, data.timings, replica)
+    spec = model_spec(cfg, data, model, task).to_dict()
 
-    def checkpoint(path: Path, epoch: int, call: int) -> None:
-        if not main:
+    def checkpoint(path: Path) -> None:
+        if runlog is None:  # rank 0 writes
             return
         if not all(torch.isfinite(p).all() for p in model.parameters()):
-            raise TrainingError(f"non-finite weights at epoch {epoch}; {path} was not written")
+            raise TrainingError(f"non-finite weights at epoch {progress.epoch}; {path} not written")
         state = {
             "model": model.state_dict(),
             "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(),
             "rng": rng_state(),
-            "epoch": epoch,
-            "call": call,
-            "best_mae": best_mae,
+            "epoch": progress.epoch,
+            "call": progress.call,
+            "best_mae": progress.best_mae,
             "config": cfg.to_dict(),
+            "model_spec": spec,
         }
         save_checkpoint(path, state)
 
@@ -171,96 +142,69 @@ def run(cfg: Config, fresh: bool = False) -> None:
     # Ctrl-C anywhere in an epoch (training, validation, checkpoints) is a stop request:
     # inside the training loop it stops at the next host call, later at the epoch's end
     with ctrl_c_requests_stop(stop):
-        for epoch in range(start_epoch, cfg.optim.epochs):
-            first_call = start_call if epoch == start_epoch else 0
-            train_stats = train_epoch(
-                cfg, backend, scheduler, train_loader, epoch, first_call, runlog, replica, stop
+        for epoch in range(progress.epoch, cfg.optim.epochs):
+            first_call = progress.call if epoch == progress.epoch else 0
+            stats = train_epoch(
+                cfg,
+                backend,
+                task,
+                scheduler,
+                train_loader,
+                epoch,
+                first_call,
+                runlog,
+                replica,
+                stop,
             )
             if stop.requested:
-                checkpoint(last_path, epoch, train_stats["calls"])
+                progress.epoch, progress.call = epoch, stats["calls"]
+                checkpoint(last_path)
                 log.info("interrupted: saved %s at epoch %d; re-run to resume", last_path, epoch)
                 raise SystemExit(130)
-            val = evaluate(backend, val_loader, data, "val", replica)
+            val = evaluate(task, backend, val_loader, "val", replica.world_size)
             if cfg.optim.schedule == "plateau":
-                scheduler.step(val.mae)
+                scheduler.step(val["mae"])
                 backend.optimizer_changed()
-            val_forces = (
-                evaluate_forces(backend, val_loader, replica) if data.store.has_forces else {}
-            )
-            improved = val.mae < best_mae
-            best_mae = min(best_mae, val.mae)
+            improved = val["mae"] < progress.best_mae
+            progress = Progress(epoch + 1, 0, min(progress.best_mae, val["mae"]))
             if runlog is not None:
-                runlog.write(
-                    "epoch",
-                    epoch=epoch,
-                    train_loss=train_stats["loss"],
-                    val_loss=val.loss,
-                    val_mae=val.mae,
-                    val_rmse=val.rmse,
-                    lr=float(optimizer.param_groups[0]["lr"]),
-                    molecules_per_s=train_stats["molecules_per_s"],
-                    data_seconds=train_stats["data_seconds"],
-                    step_seconds=train_stats["step_seconds"],
-                    epoch_seconds=train_stats["seconds"],
-                    data_wait_fraction=train_stats["data_seconds"]
-                    / max(train_stats["seconds"], 1e-9),
-                    unit=data.unit,
-                    **{f"val_{k}": v for k, v in val_forces.items()},
-                    **_loss_progress(backend),
-                )
-                log.info(
-                    "epoch %d: train loss %.4f, val MAE %.4f %s, %.0f molecules/s",
-                    epoch,
-                    train_stats["loss"],
-                    val.mae,
-                    data.unit,
-                    train_stats["molecules_per_s"],
-                )
+                write_epoch(runlog, epoch, stats, val, optimizer, task, data.unit)
             # the record is on disk before a checkpoint claims the epoch, and best.pt before
             # last.pt, so a crash between any two writes loses nothing on resume
             if improved:
-                checkpoint(best_path, epoch + 1, 0)
-            checkpoint(last_path, epoch + 1, 0)
+                checkpoint(best_path)
+            checkpoint(last_path)
             if stop.requested:
                 log.info("interrupted: saved %s after epoch %d; re-run to resume", last_path, epoch)
                 raise SystemExit(130)
 
-    if main:  # rank 0 wrote best.pt; the others get its weights through the group
+    if runlog is not None:  # rank 0 wrote best.pt; the others get its weights through the group
         model.load_state_dict(load_checkpoint(best_path)["model"])
     if replica.world_size > 1:
         broadcast_parameters(model)
     backend.after_host_weight_load()
-    test_loader = make_loader(cfg, data, "test", replica.rank, replica.world_size)
-    test = evaluate(backend, test_loader, data, "test", replica)
-    baseline_mae = float(np.abs(data.baseline_errors("test")).mean())
-    test_forces = {}
-    if data.store.has_forces:
-        test_forces = {
-            f"test_{k}": v for k, v in evaluate_forces(backend, test_loader, replica).items()
-        }
-        test_forces.update(
-            trivial_baselines(data.store, data.targets, data.split["train"], data.split["test"])
-        )
+    test = evaluate(task, backend, make_loader(cfg, data, "test", rank, world), "test", world)
     if runlog is not None:
+        final = {f"test_{k}": v for k, v in test.items() if k != "molecules"}
+        baselines = trivial_baselines(data, "test", task.with_forces)
+        final["baseline_test_mae"] = baselines.pop("baseline_mae")
         runlog.write(
             "final",
-            **test_forces,
-            test_mae=test.mae,
-            test_rmse=test.rmse,
-            baseline_test_mae=baseline_mae,
-            best_val_mae=best_mae,
+            **final,
+            **baselines,
+            best_val_mae=progress.best_mae,
             unit=data.unit,
-            test_molecules=test.molecules,
+            test_molecules=test["molecules"],
             recompilations=backend.recompilations,
-            cuda_graph_captures=getattr(backend, "graph_captures", 0),  # > 1: a re-capture
+            cuda_graph_captures=backend.graph_captures,  # > 1: a re-capture
             wall_seconds=time.perf_counter() - wall_start,
         )
         log.info(
             "test MAE %.4f %s (RMSE %.4f); dressed-atom baseline MAE %.4f %s",
-            test.mae,
+            test["mae"],
             data.unit,
-            test.rmse,
-            baseline_mae,
+            test["rmse"],
+            final["baseline_test_mae"],
             data.unit,
         )
         if cfg.logging.plot:
@@ -271,9 +215,84 @@ def run(cfg: Config, fresh: bool = False) -> None:
     shutdown_replica()
 
 
+def read_resume(
+    cfg: Config, last_path: Path, fresh: bool, replica: ReplicaInfo
+) -> dict[str, Any] | None:
+    """The checkpoint to resume from (rank 0 reads it, every rank gets it), checked to be
+    this config's run; None for a new run or with ``fresh``."""
+    main = replica.is_main
+    resume = load_checkpoint(last_path) if main and last_path.exists() and not fresh else None
+    resume = from_rank0(resume, replica)  # instances on other hosts may not see the run dir
+    if resume is not None:
+        check_same_run(resume["config"], cfg.to_dict(), last_path.parent.parent)
+    return resume
+
+
+def open_run_dir(
+    cfg: Config,
+    run_dir: Path,
+    fresh: bool,
+    resumed: Progress | None,
+    timings: dict[str, float],
+    replica: ReplicaInfo,
+) -> RunLog | None:
+    """Rank 0: make the run directory ready (``fresh`` empties it; a resume drops the records
+    after its checkpoint) and return its log; None on other ranks. Runs after the data and
+    any checkpoint were checked, so a bad input stops the run before any write here."""
+    if not replica.is_main:
+        return None
+    if fresh and run_dir.exists():
+        shutil.rmtree(run_dir)
+    if resumed is None:  # records of a run that crashed before its first checkpoint
+        (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    else:  # records after the checkpoint will be written again; a torn line goes
+        truncate_after(run_dir / "metrics.jsonl", resumed.epoch, resumed.call)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    runlog = RunLog(run_dir, cfg)
+    if resumed is None:
+        runlog.write("stage", **{f"{k}_seconds": v for k, v in timings.items()})
+    return runlog
+
+
+def write_epoch(
+    runlog: RunLog,
+    epoch: int,
+    stats: dict[str, float],
+    val: dict[str, float],
+    optimizer: torch.optim.Optimizer,
+    task: Task,
+    unit: str,
+) -> None:
+    """The epoch's record in metrics.jsonl, and one log line."""
+    runlog.write(
+        "epoch",
+        epoch=epoch,
+        train_loss=stats["loss"],
+        **{f"val_{k}": v for k, v in val.items() if k != "molecules"},
+        lr=float(optimizer.param_groups[0]["lr"]),
+        molecules_per_s=stats["molecules_per_s"],
+        data_seconds=stats["data_seconds"],
+        step_seconds=stats["step_seconds"],
+        epoch_seconds=stats["seconds"],
+        data_wait_fraction=stats["data_seconds"] / max(stats["seconds"], 1e-9),
+        unit=unit,
+        **{f"train_{k}": v for k, v in task.training_metrics().items()},
+    )
+    log.info(
+        "epoch %d: train loss %.4f, val MAE %.4f %s, %.0f molecules/s",
+        epoch,
+        stats["loss"],
+        val["mae"],
+        unit,
+        stats["molecules_per_s"],
+    )
+
+
 def train_epoch(
     cfg: Config,
-    backend,
+    backend: Backend,
+    task: Task,
     scheduler,
     loader: PackedLoader,
     epoch: int,
@@ -300,9 +319,7 @@ def train_epoch(
         leave=False,
     )
     batches = iter(loader.epoch(epoch, first_call))
-    force_loss = getattr(backend, "loss_fn", None)
-    if isinstance(force_loss, EnergyForceLoss):
-        force_loss.reset()
+    task.reset()
     epoch_start = time.perf_counter()
     while not stop.requested:
         tick = time.perf_counter()
@@ -327,11 +344,8 @@ def train_epoch(
             continue
         losses += read_losses(pending, epoch, step)
         rate = molecules / max(time.perf_counter() - epoch_start, 1e-9)
-        bar.set_postfix(
-            loss=f"{losses[-1]:.4f}",
-            mol_s=f"{rate * replica.world_size:.0f}",
-            **(force_loss.progress() if isinstance(force_loss, EnergyForceLoss) else {}),
-        )
+        shown = {k: f"{v:.4f}" for k, v in task.training_metrics().items()}
+        bar.set_postfix(loss=f"{losses[-1]:.4f}", mol_s=f"{rate * replica.world_size:.0f}", **shown)
         if runlog is not None:
             runlog.write(
                 "step",
@@ -377,140 +391,6 @@ def read_losses(pending: list, epoch: int, end_step: int) -> list[float]:
     return values
 
 
-def evaluate(
-    backend, loader: PackedLoader, data: PreparedData, split: str, replica: ReplicaInfo
-) -> Metrics:
-    """MAE/RMSE over the real molecules of a split (each replica its share, then summed)."""
-    sums = torch.zeros(4, dtype=torch.float64)  # |error|, error^2, standardised error^2, count
-    scale = data.residual_std
-    for _, prediction, target in predictions(backend, loader):
-        error = prediction - target
-        sums += torch.tensor(
-            [np.abs(error).sum(), (error**2).sum(), ((error / scale) ** 2).sum(), len(error)]
-        )
-    if replica.world_size > 1:  # on the replica's device: NCCL reduces CUDA tensors only
-        sums = sums.to(getattr(backend, "device", "cpu"))
-        dist.all_reduce(sums)
-    abs_sum, sq_sum, loss_sum, count = sums.tolist()
-    if count == 0:
-        raise ConfigError(f"the {split} split has no molecules to evaluate")
-    return Metrics(abs_sum / count, math.sqrt(sq_sum / count), loss_sum / count, int(count))
-
-
-def predictions(backend, loader: PackedLoader):
-    """Yields (store indices, predictions, targets) per batch, real molecules only, float64."""
-    for call in loader.epoch(0):
-        for batch in call:
-            mask = batch.graph_mask.cpu().numpy()  # (device-resident batches live on the GPU)
-            prediction = backend.predict(batch).double().cpu().numpy()
-            yield (
-                batch.molecule_index.cpu().numpy()[mask],
-                prediction[mask],
-                batch.y.double().cpu().numpy()[mask],
-            )
-
-
-def make_trainer(
-    cfg: Config, data: PreparedData, replica: ReplicaInfo | None = None, device: str = "cpu"
-) -> tuple[SchNet, torch.optim.Optimizer, object]:
-    """Model (initialised from ``cfg.seed``), optimiser and backend with the standardised
-    loss: the trainer's own setup, which the benchmarks reuse."""
-    torch.manual_seed(cfg.seed)
-    model = build_model(cfg, data)
-    optimizer = make_optimizer(cfg, model, device)
-    loss_fn = functools.partial(standardised_loss, scale=data.residual_std)
-    if cfg.optim.forces_weight > 0:
-        if not data.store.has_forces:
-            raise ConfigError(f"optim.forces_weight > 0, but {data.store.path} holds no forces")
-        scale = force_rms(data.store, data.split["train"])
-        loss_fn = EnergyForceLoss(data.residual_std, scale, cfg.optim.forces_weight)
-    backend = make_backend(
-        cfg.backend,
-        model,
-        optimizer,
-        loss_fn,
-        cfg.optim.grad_clip,
-        replica,
-        device,
-        seed=cfg.seed,
-        prefetch=cfg.loader.prefetch,
-        cache_dir=cfg.backend.executable_cache or str(Path(cfg.logging.run_dir) / "executables"),
-    )
-    if cfg.optim.forces_weight > 0 and not isinstance(backend, TorchBackend):
-        raise ConfigError("optim.forces_weight > 0 needs a cpu or cuda backend (no PopTorch)")
-    return model, optimizer, backend
-
-
-def _loss_progress(backend) -> dict[str, float]:
-    """The force loss's training energy MAE per atom and force MAE of the epoch, if any."""
-    loss_fn = getattr(backend, "loss_fn", None)
-    if not isinstance(loss_fn, EnergyForceLoss):
-        return {}
-    return {f"train_{k}": v for k, v in loss_fn.metrics().items()}
-
-
-def build_model(cfg: Config, data: PreparedData) -> SchNet:
-    """SchNet whose atom reference is the dressed-atom fit, scaled to the residual spread;
-    the ipu op flavour on ``ipu`` and ``ipu-model`` devices."""
-    atom_scale = data.residual_std / math.sqrt(data.mean_atoms())
-    model_cfg = cfg.model
-    on_ipu = cfg.backend.device in ("ipu", "ipu-model")
-    if on_ipu or (cfg.backend.device == "auto" and select_device("auto") == "ipu"):
-        # the IPU (also when auto finds one) and its emulator: mapped ops only
-        model_cfg = dataclasses.replace(model_cfg, ops="ipu")
-    return SchNet.from_config(
-        model_cfg,
-        max_nodes_per_pack=data.train_plan.max_nodes,
-        mean=0.0,
-        std=atom_scale,
-        atomref=torch.tensor(data.dressed_atoms, dtype=torch.float32),
-    )
-
-
-def make_optimizer(cfg: Config, model: torch.nn.Module, device: str) -> torch.optim.Adam:
-    """Adam, as in the paper; on CPU and CUDA its fused kernel (the same update in one pass
-    over the parameters, 5x faster than the per-tensor loop for SchNet on a CPU; torch
-    before 2.4, the Poplar SDK's 2.0.1, has no fused CPU kernel and raises if asked); on the
-    IPU PopTorch's, which keeps its state on the device and clips there."""
-    if device in ("ipu", "ipu-model"):
-        from schnet_ipu.backends.poptorch_backend import make_optimizer as make_ipu_optimizer
-
-        oc = cfg.optim
-        return make_ipu_optimizer(model.parameters(), oc.lr, oc.weight_decay, oc.grad_clip)
-    return torch.optim.Adam(
-        model.parameters(),
-        lr=cfg.optim.lr,
-        weight_decay=cfg.optim.weight_decay,
-        fused=device == "cuda" or (device == "cpu" and TORCH_VERSION >= (2, 4)),
-    )
-
-
-def standardised_loss(model: torch.nn.Module, batch, scale: float) -> torch.Tensor:
-    """Mean over real molecules of ((prediction - target) / scale)^2."""
-    return masked_mse(model(batch), batch.y, batch.graph_mask, scale)
-
-
-def make_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, steps_per_epoch: int):
-    """plateau: decay on validation MAE per epoch; cosine: warmup then cosine per step."""
-    oc = cfg.optim
-    if oc.schedule == "plateau":
-        return torch.optim.lr_scheduler.ReduceLROnPlateau(
-            optimizer, factor=oc.plateau_factor, patience=oc.plateau_patience, min_lr=oc.min_lr
-        )
-    total = max(oc.epochs * steps_per_epoch, 1)
-    floor = min(oc.min_lr / oc.lr, 1.0)
-
-    def factor(step: int) -> float:
-        if oc.schedule == "constant":
-            return 1.0
-        if step < oc.warmup_steps:
-            return (step + 1) / oc.warmup_steps
-        progress = min((step - oc.warmup_steps) / max(total - oc.warmup_steps, 1), 1.0)
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
 @dataclass
 class StopFlag:
     requested: bool = False
@@ -532,89 +412,3 @@ def ctrl_c_requests_stop(stop: StopFlag):
     finally:
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
-
-
-# --- evaluate and predict a finished run ----------------------------------------------------
-
-
-def load_run(run_dir: Path, checkpoint: str = "best") -> tuple[Config, PreparedData, object]:
-    """Config, data and a single-process backend holding a run's checkpoint."""
-    config_path = run_dir / "config.yaml"
-    ckpt_path = run_dir / f"checkpoints/{checkpoint}.pt"
-    if not ckpt_path.exists():
-        raise ConfigError(f"{run_dir} has no {checkpoint} checkpoint ({ckpt_path}); train first")
-    state = load_checkpoint(ckpt_path)
-    try:
-        cfg = config_from_dict(state["config"])
-    except ConfigError as err:
-        raise CheckpointError(f"{ckpt_path}: the config it holds is not valid here: {err}") from err
-    if not config_path.exists():
-        log.warning("%s is missing; using the config stored in the checkpoint", config_path)
-    cfg.backend.replicas = 1
-    cfg.loader.workers = 0
-    data = prepare_data(cfg)
-    model = build_model(cfg, data)
-    with restoring(ckpt_path):
-        model.load_state_dict(state["model"])
-    device = select_device(cfg.backend.device)
-    optimizer = make_optimizer(cfg, model, device)
-    backend = make_backend(cfg.backend, model, optimizer, None, 0.0, ReplicaInfo(), device)
-    return cfg, data, backend
-
-
-def evaluate_run(run_dir: Path, split: str = "test") -> dict:
-    """Errors of a run's best weights on a split, and its parity plot and error histogram."""
-    cfg, data, backend = load_run(run_dir)
-    metrics = evaluate(backend, make_loader(cfg, data, split), data, split, ReplicaInfo())
-    baseline = float(np.abs(data.baseline_errors(split)).mean())
-    result = {
-        "split": split,
-        "mae": metrics.mae,
-        "rmse": metrics.rmse,
-        "molecules": metrics.molecules,
-        "baseline_mae": baseline,
-        "unit": data.unit,
-    }
-    loader = make_loader(cfg, data, split)
-    if data.store.has_forces:  # energies and forces in one pass; forces by autograd
-        parts = list(force_predictions(backend.model, loader, backend.device))
-        result.update(metrics_from_sums(error_sums(parts)))
-        result.update(
-            trivial_baselines(data.store, data.targets, data.split["train"], data.split[split])
-        )
-        energy = tuple(
-            np.concatenate([getattr(p, k) for p in parts]) for k in ("energy", "energy_true")
-        )
-        forces = tuple(
-            np.concatenate([getattr(p, k) for p in parts]) for k in ("forces", "forces_true")
-        )
-    else:
-        rows = list(predictions(backend, loader))
-        energy = tuple(np.concatenate([r[k] for r in rows]) for k in (1, 2))
-        forces = None
-    pictures = evaluation_plots(run_dir, split, energy, data.unit, forces, data.store.forces_unit)
-    result["pictures"] = [str(p) for p in pictures]
-    return result
-
-
-def predict_run(run_dir: Path, split: str, out: Path) -> int:
-    """Write index, target, prediction, error per molecule (the store's own target) to CSV."""
-    if not out.parent.is_dir():  # before the slow part, and naming ``out``, not a temp file
-        raise FileNotFoundError(errno.ENOENT, "no such folder", str(out))
-    cfg, data, backend = load_run(run_dir)
-    raw = data.store.target(cfg.data.target)
-    rows = 0
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")  # out appears whole or not at all
-    try:
-        with tmp.open("w", newline="") as f:
-            writer = csv.writer(f)
-            writer.writerow(["index", "target", "prediction", "error", "unit"])
-            for index, prediction, target in predictions(backend, make_loader(cfg, data, split)):
-                shift = raw[index] - target  # the atom references subtracted from the target
-                for i, p, t in zip(index, prediction + shift, target + shift):
-                    writer.writerow([int(i), f"{t:.6f}", f"{p:.6f}", f"{p - t:.6f}", data.unit])
-                    rows += 1
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return rows

@@ -5,7 +5,7 @@ another (run by ``scripts/check_torch201.sh``: torch 2.13 saves, torch 2.0.1 com
     python scripts/torch201_compare.py compare REF.pt   # exit 1 if anything differs > 1e-5
 
 For a radius and a knn graph: SchNet with the ipu op flavour (the trainer's own
-``build`` path: config, ``make_optimizer``, ``standardised_loss`` and ``make_backend`` with
+``build`` path: config, ``make_optimizer``, the energy task's loss and ``make_backend`` with
 ``backend.device=ipu-model``, so the PopTorch op check runs too) on one packed batch of real
 QM9 molecules. The saved file holds the batch, the initial weights and the results: the
 forward pass, the loss, every gradient after the backward pass, and every weight after one
@@ -22,9 +22,10 @@ import torch
 
 from schnet_ipu.backends import make_backend
 from schnet_ipu.batch import Batch
+from schnet_ipu.components import make_optimizer
 from schnet_ipu.config import config_from_dict
 from schnet_ipu.model import SchNet
-from schnet_ipu.training import make_optimizer, standardised_loss
+from schnet_ipu.task import EnergyTask, TargetTransform
 
 TOLERANCE = 1e-5
 STORE = "data/qm9.h5"
@@ -77,7 +78,7 @@ def run_step(graph: str, batch: Batch, weights: dict | None) -> dict:
     with torch.no_grad():
         forward = model(batch)
     optimizer = make_optimizer(cfg, model, "cpu")
-    loss_fn = lambda m, b: standardised_loss(m, b, SCALE)  # noqa: E731
+    loss_fn = EnergyTask(TargetTransform((0.0,) * 119, SCALE)).loss
     backend = make_backend(cfg.backend, model, optimizer, loss_fn, cfg.optim.grad_clip)
     (record,) = backend.train_call([batch])
     return {

@@ -19,7 +19,7 @@ from schnet_ipu.backends import RecompilationError
 from schnet_ipu.config import BackendConfig, load_config
 from schnet_ipu.data import import_qm9
 from schnet_ipu.model import SchNet
-from schnet_ipu.model import masked_mse as schnet_mse
+from schnet_ipu.task import masked_mse as schnet_mse
 from schnet_ipu.training import train
 
 pytestmark = pytest.mark.ipu

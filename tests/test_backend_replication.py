@@ -34,7 +34,8 @@ from schnet_ipu.backends.distributed import (
 from schnet_ipu.backends.shared_memory import SHARED_DIR
 from schnet_ipu.batch import Batch
 from schnet_ipu.config import BackendConfig
-from schnet_ipu.model import SchNet, masked_mse
+from schnet_ipu.model import SchNet
+from schnet_ipu.task import masked_mse
 
 CALLS, STEPS, ACCUM = 1, 2, 2  # train_calls, device iterations, gradient accumulation
 CLIP = 0.2  # small enough to be active, so clipping before the reduction would show

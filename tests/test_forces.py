@@ -18,6 +18,7 @@ from ase.optimize import BFGS
 from schnet_ipu.config import ConfigError, load_config
 from schnet_ipu.data import MoleculeStore, StoreError, import_ase
 from schnet_ipu.data.ase_files import frame_energy, frame_forces
+from schnet_ipu.evaluation import evaluate_run
 from schnet_ipu.forces import energy_and_forces
 from schnet_ipu.loader import Layout, PackMolecule, collate
 from schnet_ipu.model import SchNet
@@ -27,7 +28,7 @@ from schnet_ipu.model.ops.torch_ops import (
     shifted_softplus,
 )
 from schnet_ipu.runlog import read_records
-from schnet_ipu.training import evaluate_run, train
+from schnet_ipu.training import train
 
 ROOT = Path(__file__).resolve().parents[1]
 

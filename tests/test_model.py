@@ -19,7 +19,7 @@ from schnet_ipu.bench.model import (
     plan_packs,
 )
 from schnet_ipu.config import ModelConfig
-from schnet_ipu.model import SchNet, masked_mse
+from schnet_ipu.model import SchNet
 from schnet_ipu.model.ops import naive_shifted_softplus
 from schnet_ipu.model.ops.torch_ops import (
     _ShiftedSoftplusFused,
@@ -28,6 +28,7 @@ from schnet_ipu.model.ops.torch_ops import (
     scatter_sum,
     shifted_softplus,
 )
+from schnet_ipu.task import masked_mse
 
 CUTOFF = 6.0
 

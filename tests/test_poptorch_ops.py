@@ -17,7 +17,8 @@ from schnet_ipu.backends.poptorch_ops import (
     unsupported_ops,
 )
 from schnet_ipu.config import BackendConfig
-from schnet_ipu.model import SchNet, masked_mse
+from schnet_ipu.model import SchNet
+from schnet_ipu.task import masked_mse
 
 
 def forward_and_loss(graph: str, ops: str):

@@ -15,8 +15,9 @@ import torch
 
 from schnet_ipu.config import ConfigError, load_config
 from schnet_ipu.data import import_qm9
+from schnet_ipu.evaluation import evaluate_run, predict_run
 from schnet_ipu.runlog import read_records
-from schnet_ipu.training import TrainingError, evaluate_run, predict_run, train
+from schnet_ipu.training import TrainingError, train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -124,11 +125,11 @@ def test_ctrl_c_during_validation_finishes_the_epoch_then_stops(store, tmp_path,
 
     evaluate = training.evaluate
 
-    def interrupted_once(backend, loader, data, split, replica):
+    def interrupted_once(task, backend, loader, split, world_size):
         if split == "val" and not getattr(interrupted_once, "done", False):
             interrupted_once.done = True
             signal.raise_signal(signal.SIGINT)  # as a Ctrl-C typed during validation
-        return evaluate(backend, loader, data, split, replica)
+        return evaluate(task, backend, loader, split, world_size)
 
     run_dir = tmp_path / "interrupted"
     monkeypatch.setattr(training, "evaluate", interrupted_once)

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from typing import Protocol
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from schnet_ipu.backends.cuda_graph import use_cuda_graphs
 from schnet_ipu.backends.distributed import (
@@ -31,12 +32,14 @@ from schnet_ipu.backends.distributed import (
     replicas_in_call,
 )
 from schnet_ipu.backends.torch_backend import LossFn, RecompilationError, TorchBackend
+from schnet_ipu.batch import Batch
 from schnet_ipu.config import BackendConfig, ConfigError
 from schnet_ipu.errors import UserError
 
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "Backend",
     "DeviceError",
     "RecompilationError",
     "ReplicaInfo",
@@ -49,6 +52,38 @@ __all__ = [
     "replicas_in_call",
     "select_device",
 ]
+
+
+class Backend(Protocol):
+    """What the training loop, evaluation and the benchmarks use of a backend
+    (:class:`TorchBackend`, ``IpuEmulatorBackend``, ``PoptorchBackend``)."""
+
+    model: nn.Module  # the host model (its weights are the trained ones between host calls)
+    device: torch.device  # where host-side autograd (forces) runs the model: CPU for PopTorch
+
+    def train_call(self, micro_batches: list[Batch]) -> list[dict]:
+        """D x A micro-batches of this replica -> D step records (loss, molecules, ...)."""
+
+    def predict(self, batch: Batch) -> Tensor:
+        """Predictions [G] of one batch."""
+
+    def optimizer_changed(self) -> None:
+        """The learning rate changed on the host (PopTorch: setOptimizer)."""
+
+    def after_host_weight_load(self) -> None:
+        """Weights were loaded on the host (PopTorch: copy them to the device)."""
+
+    @property
+    def recompilations(self) -> int:
+        """Batches refused for a shape change (each would have cost a recompilation)."""
+
+    @property
+    def collectives_per_step(self) -> int | None:
+        """Gradient all-reduces per optimiser step (None where PopTorch decides)."""
+
+    @property
+    def graph_captures(self) -> int:
+        """CUDA graph captures so far (more than one means a re-capture); 0 elsewhere."""
 
 
 class DeviceError(UserError, RuntimeError):
@@ -102,15 +137,14 @@ def make_backend(
     seed: int = 0,
     prefetch: int = 4,
     cache_dir: str = "",
-):
+) -> Backend:
     """The backend for ``backend_cfg`` (device resolved with :func:`select_device` if not given).
 
     ``seed``, ``prefetch`` (the host-to-device buffering depth) and ``cache_dir`` (the
     executable cache) are used by PopTorch, which clips gradients in its optimiser.
 
-    Returns a :class:`TorchBackend`, an ``IpuEmulatorBackend`` or a ``PoptorchBackend``; all
-    offer ``train_call``, ``predict``, ``recompilations``, ``collectives_per_step``,
-    ``optimizer_changed`` and ``after_host_weight_load``.
+    Returns a :class:`TorchBackend`, an ``IpuEmulatorBackend`` or a ``PoptorchBackend``: each
+    a :class:`Backend`.
     """
     device = device or select_device(backend_cfg.device)
     if device in ("ipu", "ipu-model"):

@@ -205,6 +205,9 @@ class PoptorchBackend:
         self.replica = replica or ReplicaInfo()
         self.backend_cfg = backend_cfg
         self.model = model
+        # host-side autograd (forces in evaluation) runs the host model on the CPU: PopTorch
+        # keeps the host copy in sync when it is read (python/_poplar_executor.py)
+        self.device = torch.device("cpu")
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.options = make_options(backend_cfg, prefetch, seed, cache_dir)
@@ -218,6 +221,10 @@ class PoptorchBackend:
     @property
     def recompilations(self) -> int:
         return self._train_guard.recompilations + self._predict_guard.recompilations
+
+    @property
+    def graph_captures(self) -> int:
+        return 0  # no CUDA graphs here
 
     @property
     def collectives_per_step(self) -> int | None:

@@ -38,7 +38,7 @@ from schnet_ipu.config import ModelConfig
 from schnet_ipu.data import MoleculeStore, generate_water, make_split, radius_pairs
 from schnet_ipu.feed import FeedArrays
 from schnet_ipu.loader import Layout, PackedDataset
-from schnet_ipu.model import SchNet, masked_mse
+from schnet_ipu.model import SchNet
 from schnet_ipu.packing import assign_packs, plan_packing
 from schnet_ipu.packing.balance import (
     balance_batches,
@@ -48,6 +48,7 @@ from schnet_ipu.packing.balance import (
     step_costs,
 )
 from schnet_ipu.packing.baselines import run_baseline
+from schnet_ipu.task import masked_mse
 
 COLUMNS = ["dataset", "batching", "schedule", "straggler", "predicted_straggler", "epoch_s",
            "steps", "r2_fit", "r2_predict", "per_atom_us", "per_edge_us",

@@ -22,9 +22,10 @@ from schnet_ipu.bench.common import QM9_STORE, new_report
 from schnet_ipu.config import ModelConfig
 from schnet_ipu.data import MoleculeStore, edge_counts, generate_water, make_split
 from schnet_ipu.loader import Layout, PackedDataset
-from schnet_ipu.model import SchNet, masked_mse
+from schnet_ipu.model import SchNet
 from schnet_ipu.packing import PackPlan, assign_packs, plan_packing
 from schnet_ipu.packing.baselines import BASELINES, run_baseline
+from schnet_ipu.task import masked_mse
 
 PACKERS = ("lpfhp", "tuple", "pad_to_max")
 COLUMNS = ["dataset", "algorithm", "batch", "node_efficiency", "edge_efficiency",

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from schnet_ipu import training
+from schnet_ipu import components
 from schnet_ipu.backends import ReplicaInfo
 from schnet_ipu.config import Config, ModelConfig, apply_override, validate
 from schnet_ipu.loader import PackedLoader
@@ -81,7 +81,7 @@ def packs_for(data: PreparedData, molecules_per_batch: float) -> int:
 
 def make_trainer(cfg: Config, data: PreparedData, replica: ReplicaInfo | None = None):
     """The backend of the trainer's own setup (model, fused Adam, standardised loss)."""
-    return training.make_trainer(cfg, data, replica)[2]
+    return components.make_trainer(cfg, data, replica)[2]
 
 
 def host_calls(loader: PackedLoader) -> Iterator[list]:

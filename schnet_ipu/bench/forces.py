@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 
 from schnet_ipu.backends.distributed import ReplicaInfo
+from schnet_ipu.components import make_trainer
 from schnet_ipu.config import load_config
 from schnet_ipu.pipeline import make_loader, prepare_data
-from schnet_ipu.training import make_trainer
 
 VARIANTS = {  # name -> (forces_weight, op flavour)
     "energy": (0.0, "torch"),

@@ -22,13 +22,14 @@ from pathlib import Path
 
 import torch
 
-from schnet_ipu import training
+from schnet_ipu import components
 from schnet_ipu.backends import ReplicaInfo
 from schnet_ipu.bench.common import QM9_STORE, new_report, packs_for, ratio
 from schnet_ipu.bench.throughput import PYG, RADIUS_BUILDER, pyg, pyg_items
 from schnet_ipu.config import Config, apply_override, config_from_dict, load_config, validate
 from schnet_ipu.loader import PackedLoader
 from schnet_ipu.pipeline import PreparedData, make_loader, prepare_data
+from schnet_ipu.task import evaluate, make_task
 
 PAPER_CONFIG = Path(__file__).resolve().parents[2] / "configs/qm9.yaml"
 PRECISIONS = ("fp32", "tf32", "bf16")
@@ -64,7 +65,7 @@ def ours(
     """Our trainer (model, fused Adam, backend) and an epoch function over ``loader`` (the
     same batches for every variant); the step losses stay on the device until the epoch's
     end."""
-    backend = training.make_trainer(cfg, data, ReplicaInfo(), device)[2]
+    backend = components.make_trainer(cfg, data, ReplicaInfo(), device)[2]
 
     def epoch(round_: int) -> dict:
         losses, molecules, steps = [], 0, 0
@@ -176,13 +177,13 @@ def run_gpu(
         if name in backends:
             backend = backends[name]
             val_loader = make_loader(configs[name], data, "val")
-            val = training.evaluate(backend, val_loader, data, "val", ReplicaInfo())
+            val = evaluate(make_task(configs[name], data), backend, val_loader, "val")
             row.update(
                 precision=configs[name].backend.precision,
                 cuda_graph=configs[name].backend.cuda_graphs == "true",
                 graph_recaptures=max(backend.graph_captures - 1, 0),
                 recompilations=backend.recompilations,
-                val_mae=val.mae,
+                val_mae=val["mae"],
             )
         rows.append(row)
     seconds = {row["name"]: row["epoch_seconds"] for row in rows}

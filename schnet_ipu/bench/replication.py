@@ -32,7 +32,8 @@ from schnet_ipu.batch import Batch
 from schnet_ipu.bench.common import new_report
 from schnet_ipu.bench.model import molecules_to_batch, plan_packs
 from schnet_ipu.config import BackendConfig
-from schnet_ipu.model import SchNet, masked_mse
+from schnet_ipu.model import SchNet
+from schnet_ipu.task import masked_mse
 
 ELEMENTS = np.array([1, 6, 7, 8, 9])
 REDUCTIONS = {  # name -> (merge_allreduce, shared_memory_allreduce)

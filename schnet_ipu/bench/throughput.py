@@ -31,8 +31,8 @@ from schnet_ipu.bench.common import (
 )
 from schnet_ipu.config import ModelConfig
 from schnet_ipu.data import radius_edges
-from schnet_ipu.model import masked_mse
 from schnet_ipu.pipeline import PreparedData, make_loader, prepare_data
+from schnet_ipu.task import masked_mse
 
 RADIUS_BUILDER = "schnet_ipu.data.radius_edges (pure torch, inside the timed step)"
 

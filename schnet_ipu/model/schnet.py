@@ -366,13 +366,3 @@ class SchNet(nn.Module):
             f"k={self.k}, readout={self.readout!r}, pair_symmetric={self.pair_symmetric}, "
             f"ops={self.ops.name!r}, message_passing={self.message_passing!r})"
         )
-
-
-def masked_mse(pred: Tensor, y: Tensor, mask: Tensor, scale: float) -> Tensor:
-    """Mean over real molecules of ``((pred - y) / scale) ** 2``.
-
-    pred, y, mask: [G]; padding slots (``mask == False``) are excluded whatever their target
-    holds, and a batch without real molecules gives 0 (not NaN). Returns a scalar [].
-    """
-    err = torch.where(mask, (pred - y) / scale, 0.0)
-    return err.square().sum() / mask.sum().clamp(min=1)
