@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,7 +141,9 @@ def export_model(
     """
     trained = load_trained(model, checkpoint)
     module = PortableSchNet.from_trained(trained).to(dtype)
-    scripted = torch.jit.script(module)
+    with warnings.catch_warnings():  # TorchScript's deprecation notice: chosen knowingly
+        warnings.simplefilter("ignore", DeprecationWarning)
+        scripted = torch.jit.script(module)
     meta = {
         "interface": "energy, forces = model(z, pos)",
         "z": "int64 [N] atomic numbers",
@@ -154,6 +157,8 @@ def export_model(
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
-    torch.jit.save(scripted, str(tmp), _extra_files={"schnet_ipu.json": json.dumps(meta)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.jit.save(scripted, str(tmp), _extra_files={"schnet_ipu.json": json.dumps(meta)})
     tmp.replace(out)
     return meta

@@ -33,10 +33,10 @@ NUM_ELEMENTS = 100  # embedding rows, as the training model (row 0 is its paddin
 
 
 class ShiftedSoftplus(nn.Module):
-    """``softplus(x) - log 2`` (torch's softplus: overflow-free)."""
+    """``softplus(x) - log 2`` as ``logaddexp(x, 0) - log 2``: one overflow-free op."""
 
     def forward(self, x: Tensor) -> Tensor:
-        return nn.functional.softplus(x) - math.log(2.0)
+        return torch.logaddexp(x, torch.zeros_like(x)) - math.log(2.0)
 
 
 class DistanceExpansion(nn.Module):
@@ -209,5 +209,8 @@ class PortableSchNet(nn.Module):
         grads = torch.autograd.grad([energy], [pos])
         forces = grads[0]
         assert forces is not None
-        reference = torch.tensor(self.atom_reference, dtype=torch.float64, device=z.device)
-        return energy.detach().double() + reference[z].sum(), -forces
+        numbers: List[int] = z.tolist()
+        reference = 0.0  # in Python floats: TorchScript's torch.tensor(list) rounds to float32
+        for number in numbers:
+            reference += self.atom_reference[number]
+        return energy.detach().double() + reference, -forces

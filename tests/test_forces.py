@@ -290,7 +290,7 @@ def test_prediction_on_new_structures_including_larger_ones(trained, tmp_path):
                                                   for k in range(2)], dtype=float))  # fmt: skip
     frames.insert(2, big)  # larger than any training pack (20 atoms)
     predictor = Predictor(trained)
-    assert predictor.layout.max_nodes < len(big)
+    assert predictor.specs[0].pack["max_nodes"] < len(big)  # no pack limit at prediction
     source, out = tmp_path / "new.extxyz", tmp_path / "out.extxyz"
     ase.io.write(source, frames, format="extxyz")
     assert predict_file(trained, source, out) == len(frames)
@@ -300,7 +300,7 @@ def test_prediction_on_new_structures_including_larger_ones(trained, tmp_path):
     for atoms, got in zip(frames, written, strict=True):
         np.testing.assert_allclose(got.positions, atoms.positions, atol=1e-6)
         alone = atoms.copy()
-        alone.calc = calc  # one structure per call: packed alone
+        alone.calc = calc  # one structure per call
         e = frame_energy(got, "energy", "out")
         np.testing.assert_allclose(e, alone.get_potential_energy(), rtol=1e-5, atol=1e-4)
         np.testing.assert_allclose(
