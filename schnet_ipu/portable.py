@@ -61,10 +61,16 @@ class Convolution(nn.Module):
         self.lin1 = Linear(hidden, filters, bias=False)
         self.lin2 = Linear(filters, hidden)
 
-    def forward(self, h: Tensor, source: Tensor, receiver: Tensor, filt: Tensor) -> Tensor:
-        messages = self.lin1(h).index_select(0, source) * filt  # [E, F]
-        summed = messages.new_zeros((h.shape[0], messages.shape[1]))
-        return self.lin2(summed.index_add(0, receiver, messages))
+    def forward(
+        self, h: Tensor, source: Tensor, receiver: Tensor, filt: Tensor, symmetric: bool
+    ) -> Tensor:
+        """``symmetric``: each (source, receiver) is an unordered pair whose filter [P, F]
+        also carries the message the other way (half the filter work of directed edges)."""
+        x = self.lin1(h)
+        summed = x.new_zeros(x.shape).index_add(0, receiver, x.index_select(0, source) * filt)
+        if symmetric:
+            summed = summed.index_add(0, source, x.index_select(0, receiver) * filt)
+        return self.lin2(summed)
 
 
 class Interaction(nn.Module):
@@ -80,10 +86,16 @@ class Interaction(nn.Module):
         self.lin = Linear(hidden, hidden)
 
     def forward(
-        self, h: Tensor, source: Tensor, receiver: Tensor, rbf: Tensor, cut: Tensor
+        self,
+        h: Tensor,
+        source: Tensor,
+        receiver: Tensor,
+        rbf: Tensor,
+        cut: Tensor,
+        symmetric: bool,
     ) -> Tensor:
         filt = self.mlp(rbf) * cut.unsqueeze(-1)
-        return self.lin(self.act(self.conv(h, source, receiver, filt)))
+        return self.lin(self.act(self.conv(h, source, receiver, filt, symmetric)))
 
 
 class PortableSchNet(nn.Module):
@@ -163,15 +175,16 @@ class PortableSchNet(nn.Module):
         return module.eval()
 
     def neighbours(self, pos: Tensor) -> Tuple[Tensor, Tensor]:
-        """(source j, receiver i) [E] of every edge: pairs within the cutoff, or the k
-        nearest within it for a knn model; never an atom with itself."""
+        """(source j, receiver i) [E] of every edge, never an atom with itself: for a radius
+        model each unordered pair within the cutoff once (j < i; messages go both ways), for
+        a knn model the k nearest within the cutoff of every atom."""
         n = pos.shape[0]
         sq = (pos.unsqueeze(1) - pos.unsqueeze(0)).square().sum(-1)  # [N, N], [i, j]
         allowed = (sq <= self.cutoff * self.cutoff) & ~torch.eye(
             n, dtype=torch.bool, device=pos.device
         )
         if self.k == 0:
-            pairs = allowed.nonzero()
+            pairs = torch.triu(allowed, diagonal=1).nonzero()  # i < j
             return pairs[:, 1], pairs[:, 0]
         found = min(self.k, n - 1)
         best, source = torch.topk(sq.masked_fill(~allowed, math.inf), found, dim=1, largest=False)
@@ -202,7 +215,7 @@ class PortableSchNet(nn.Module):
         cut = 0.5 * (torch.cos(dist * (math.pi / self.cutoff)) + 1.0)
         h = self.embedding(z)
         for interaction in self.interactions:
-            h = h + interaction(h, source, receiver, rbf, cut)
+            h = h + interaction(h, source, receiver, rbf, cut, self.k == 0)
         out = self.lin2(self.act(self.lin1(h))).squeeze(-1) * self.std + self.mean
         out = out + self.atomref(z).squeeze(-1)
         energy = out.mean() if self.mean_readout else out.sum()

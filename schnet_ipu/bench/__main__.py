@@ -7,7 +7,8 @@ The gpu suite also takes ``--device`` (default cuda), ``--subset N`` (molecules;
 Suites: throughput, ablation, batching, loader, scaling, model (forward+backward against
 PyG's SchNet), replication (replicas x gradient reduction), gpu (full QM9 epochs against
 stock PyG on a GPU), dense (dense vs sparse message passing), balance (cost-model grouping
-across replicas). Each prints a table and writes ``SUITE.json``, ``SUITE.md`` and
+across replicas), calculator (a model file in use: ASE calculator and exported-file latency,
+MD steps per second). Each prints a table and writes ``SUITE.json``, ``SUITE.md`` and
 ``SUITE.png`` in ``--out-dir``; the report records the command that made it.
 """
 
@@ -33,6 +34,7 @@ SUITES = (
     "gpu",
     "dense",
     "balance",
+    "calculator",
 )
 
 

@@ -174,8 +174,8 @@ def write_plots(report: dict[str, Any], node_counts, edge_counts, out_dir: Path)
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    limits, effs = zip(*report["node_curve"], strict=True)
-    ax.plot(limits, 100 * np.array(effs), label="LPFHP node efficiency")
+    curve = np.array(report["node_curve"], dtype=float)  # (limit, efficiency) rows
+    ax.plot(curve[:, 0], 100 * curve[:, 1], label="LPFHP node efficiency")
     rows = np.array(report["tuple_curve"], dtype=float)
     ax.plot(rows[:, 0], 100 * rows[:, 2], "o-", ms=3, label="tuple: node efficiency")
     ax.plot(rows[:, 0], 100 * rows[:, 3], "s-", ms=3, label="tuple: edge efficiency")
