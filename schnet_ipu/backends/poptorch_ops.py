@@ -23,8 +23,10 @@ How PopTorch 3.4.0 (built against torch 2.0.1) sees a model, and how this module
   registers for the IPU key (``one_hot``, ``dropout``, ...) reach it undecomposed, while
   here they are seen decomposed: the check is stricter than PopTorch for those, never
   laxer.
-* The dispatcher implements a few ops itself (``copy_``, ``detach``, ``empty``, ``item``...;
-  same two files) and ``poptorch/source/AliasProcessing.cpp`` removes ``alias``.
+* The dispatcher implements a few ops itself (``copy_``, ``detach``, ``empty``...; same two
+  files) and ``poptorch/source/AliasProcessing.cpp`` removes ``alias``. Two of them exist
+  only to fail in a traced model and are refused here: ``item`` ("only supported in eager
+  mode") and ``_local_scalar_dense`` (a copy to the CPU in the middle of the graph).
 * In-place ops are checked as their out-of-place form: ``poptorch/source/InplaceOps.cpp``
   (``outplaceKind``) drops the trailing ``_`` (``zero_`` -> ``zeros_like`` and ``fill_`` ->
   ``full_like``, ``include/poptorch/InplaceOpsPyTorch.hpp_nolint``), except ``copy_``,
@@ -58,6 +60,10 @@ OPS_FILE = Path(__file__).with_name("poptorch_ops_3.4.0.txt")
 # poptorch/source/InplaceOps.cpp: onlyInplaceOps() and outplaceKind()
 ONLY_INPLACE = frozenset({"copy_", "normal_", "uniform_", "random_", "exponential_"})
 INPLACE_TO_OUT_OF_PLACE = {"zero_": "zeros_like", "fill_": "full_like"}
+# Implemented by the dispatcher only to fail inside a traced model: ``item`` raises "only
+# supported in eager mode", ``_local_scalar_dense`` is a copy to the CPU mid-graph
+# (poptorch/source/dispatch_tracer/RegisterAtenOverloads.cpp ``item``, ``localScalarDense``)
+HOST_SYNC = frozenset({"aten::item", "aten::_local_scalar_dense"})
 
 __all__ = ["UnsupportedOpError", "check_poptorch_ops", "record_aten_ops"]
 
@@ -166,9 +172,15 @@ def check_poptorch_ops(fn: Callable[[], T]) -> T:
     else return ``fn``'s result."""
     result, recorder = _record(fn)
     bad = unsupported_ops({op for op in recorder.ops if op.startswith("aten::")})
+    synced = recorder.ops & HOST_SYNC
     problems = []
     if bad:
         problems.append(f"no handler in PopTorch 3.4.0 for {', '.join(sorted(bad))}")
+    if synced:
+        problems.append(
+            f"a copy to the host inside the model (e.g. .item(), float(tensor)), only "
+            f"supported in eager mode: {', '.join(sorted(synced))}"
+        )
     if recorder.views_written:
         problems.append(
             f"in-place writes into a view, whose aliasing PopTorch does not keep: "
