@@ -333,3 +333,51 @@ def test_emulated_two_replica_run_resumes_and_is_evaluated(store, tmp_path):
     result = evaluate_run(run_dir, "test")
     assert result["molecules"] == 20 and math.isfinite(result["mae"])
     assert predict_run(run_dir, "test", tmp_path / "test.csv") == 20
+
+
+@pytest.mark.xfail(
+    strict=True, raises=AttributeError, reason="defect 3: fixed by the issue-35 refactor"
+)
+def test_emulated_run_on_forces_data_is_evaluated_predicted_and_used_by_the_calculator(tmp_path):
+    """Defect 3: host-side force evaluation, ``Predictor`` and the calculator of an IPU run
+    must not take a device from the backend (PoptorchBackend has none; nor does the
+    emulator). Energy-only training (PopTorch refuses force training), forces in the store."""
+    import ase.io
+    from test_forces import emt_frames
+
+    from schnet_ipu.calculator import SchNetCalculator
+    from schnet_ipu.inference import predict_file
+
+    frames = tmp_path / "emt.extxyz"
+    ase.io.write(frames, emt_frames(48), format="extxyz")
+    run_dir = tmp_path / "run"
+    overrides = [
+        f"data.files=[{frames}]",
+        f"data.path={tmp_path / 'emt.h5'}",
+        "data.val=8",
+        "data.test=8",
+        "packing.packs_per_batch=2",
+        "packing.max_nodes=20",
+        "model.hidden_channels=16",
+        "model.num_filters=16",
+        "model.num_interactions=1",
+        "model.num_gaussians=8",
+        "optim.forces_weight=0",
+        "optim.warmup_steps=0",
+        "optim.weight_decay=0.01",
+        "optim.grad_clip=1.0",
+        "backend.device=ipu-model",
+        "backend.replicas=2",
+        "backend.threads=0",
+        "logging.progress=false",
+        f"logging.run_dir={run_dir}",
+    ]
+    config = ROOT / "configs/emt_forces.yaml"
+    train(load_config(config, [*overrides, "optim.epochs=1"]))
+    train(load_config(config, [*overrides, "optim.epochs=2"]))  # resumes
+    result = evaluate_run(run_dir, "test")
+    assert result["force_mae"] > 0 and math.isfinite(result["mae"])
+    assert predict_file(run_dir, frames, tmp_path / "out.extxyz") == 48
+    atoms = emt_frames(1, seed=3)[0]
+    atoms.calc = SchNetCalculator(run_dir)
+    assert atoms.get_forces().shape == (len(atoms), 3)
