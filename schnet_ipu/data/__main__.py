@@ -110,7 +110,7 @@ def histogram_lines(values: np.ndarray, bins: int = 20, width: int = 50) -> list
     scale = width / max(counts.max(), 1)
     return [
         f"  {lo:8.1f} - {hi:8.1f} | {'#' * round(c * scale):<{width}} {c}"
-        for lo, hi, c in zip(edges[:-1], edges[1:], counts, strict=True)
+        for lo, hi, c in zip(edges[:-1], edges[1:], counts)
     ]
 
 

@@ -174,7 +174,7 @@ def write_plots(report: dict[str, Any], node_counts, edge_counts, out_dir: Path)
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    limits, effs = zip(*report["node_curve"], strict=True)
+    limits, effs = zip(*report["node_curve"])
     ax.plot(limits, 100 * np.array(effs), label="LPFHP node efficiency")
     rows = np.array(report["tuple_curve"], dtype=float)
     ax.plot(rows[:, 0], 100 * rows[:, 2], "o-", ms=3, label="tuple: node efficiency")
