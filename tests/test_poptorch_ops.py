@@ -95,5 +95,7 @@ def test_ipu_model_backend_refuses_unmapped_op_on_first_step():
         backend.train_call([make_batch(0)])
     with pytest.raises(UnsupportedOpError, match="aten::index_add"):
         backend.predict(make_batch(1))
-    cpu = make_backend(BackendConfig(device="cpu"), bad, torch.optim.SGD(bad.parameters()), loss)
+    cpu = make_backend(
+        BackendConfig(device="cpu"), bad, torch.optim.SGD(bad.parameters(), lr=0.01), loss
+    )
     cpu.train_call([make_batch(0)])  # the check is the emulator's only
