@@ -216,7 +216,7 @@ class IpuEmulatorBackend:
         self.optimizer.zero_grad(set_to_none=True)
         total = torch.zeros(())
         for batch in batches:
-            loss = self._run("train", lambda batch=batch: self.loss_fn(self.model, batch))
+            loss = self._run("train", lambda batch=batch: self.loss_fn(self.model, batch), batch)
             loss.backward()
             total += loss.detach()
         return float(total)
@@ -227,14 +227,16 @@ class IpuEmulatorBackend:
         self._predict_guard.check(batch)
         self.model.eval()
         with unwrapped_buffers(self.model):
-            return self._run("predict", lambda: self.model(batch))
+            return self._run("predict", lambda: self.model(batch), batch)
 
-    def _run(self, kind: str, fn: Callable[[], Tensor]) -> Tensor:
-        """``fn()``; the first ``kind`` ("train" / "predict") call runs under the op check."""
+    def _run(self, kind: str, fn: Callable[[], Tensor], batch: Batch) -> Tensor:
+        """``fn()``; the first ``kind`` ("train" / "predict") call runs under the op check,
+        with ``batch`` and the model's weights and buffers as the tensors on the IPU."""
         if kind not in self._unchecked:
             return fn()
         self._unchecked.discard(kind)
-        return check_poptorch_ops(fn)
+        on_ipu = [*batch.as_tuple(), *self.model.parameters(), *self.model.buffers()]
+        return check_poptorch_ops(fn, on_ipu)
 
     def optimizer_changed(self) -> None:
         """PopTorch's ``setOptimizer``: the host optimiser is the one used here already."""
