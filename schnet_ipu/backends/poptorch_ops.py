@@ -35,6 +35,11 @@ How PopTorch 3.4.0 (built against torch 2.0.1) sees a model, and how this module
   operations should not be relied on" (``docs/user_guide/supported_ops.rst``): an in-place
   op writing into a view may leave the viewed tensor unchanged on the IPU. The check refuses
   such writes too, naming the op.
+* Inputs, parameters and buffers are moved to the IPU, and the factories of
+  ``python/_poplar_executor.py`` ``_SetDefaultDeviceType`` get ``device="ipu"`` when called
+  without one; any other tensor stays on the CPU, and an op mixing it with IPU tensors
+  raises "Expected an IPU tensor" (``dispatch_tracer/TypeInferenceHandler.cpp``). Given the
+  IPU's tensors, the check follows them with a ``TorchFunctionMode`` and refuses such calls.
 * Every node is then lowered by its handler, registered with ``registerHandler`` in
   ``poptorch/source/popart_canonicalization/*.cpp``; an aten node left without one makes
   ``poptorch/source/ErrorOnUnsupportedAten.cpp`` raise "Unsupported ops found in compiled
