@@ -62,9 +62,10 @@ OVERLAP_CYCLE_OPTIMIZED = 2  # popart.AccumulateOuterFragmentSchedule.OverlapCyc
 
 
 def make_optimizer(params, lr: float, weight_decay: float, grad_clip: float) -> poptorch.optim.Adam:
-    """``poptorch.optim.Adam``: torch.optim.Adam's update (L2 weight decay, bias correction),
-    float32 gradients and moments, no loss scaling, and the global norm clipped to
-    ``grad_clip`` on the device (0 = no clipping).
+    """``poptorch.optim.Adam``: Adam with L2 weight decay and bias correction, float32
+    gradients and moments, no loss scaling, and the global norm of the decayed gradient
+    clipped to ``grad_clip`` on the device (0 = no clipping; PopART decays before it clips,
+    torch after).
 
     Every value is passed explicitly: PopTorch compiles the ones left unset as constants
     (python/optim.py ``_parseArgs``), and a constant lr could not follow the schedule.
