@@ -30,14 +30,33 @@ RESUMABLE_CHANGES = ("optim.epochs", "logging.", "loader.workers", "loader.prefe
 CHECKPOINT_KEYS = ("model", "optimizer", "scheduler", "rng", "epoch", "call", "best_mae", "config")
 
 
+def plain_tensors(state: Any) -> Any:
+    """``state`` with every tensor of a ``torch.Tensor`` subclass as a plain tensor (same
+    storage), through dicts, lists and tuples. ``poptorch.trainingModel`` re-types a model's
+    buffers as ``PoptorchBuffer``, which ``detach()`` keeps and which pickles as a call to
+    PopTorch (python/_poplar_executor.py, python/_impl.py at sdk/poptorch/3.4.0): saved as
+    is, ``weights_only`` loading would refuse the file."""
+    if isinstance(state, torch.Tensor):
+        return state if type(state) is torch.Tensor else state.as_subclass(torch.Tensor)
+    if isinstance(state, dict):
+        plain = type(state)((key, plain_tensors(value)) for key, value in state.items())
+        if hasattr(state, "_metadata"):  # a module state_dict's versions
+            plain._metadata = state._metadata
+        return plain
+    if isinstance(state, (list, tuple)):
+        return type(state)(plain_tensors(value) for value in state)
+    return state
+
+
 def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
-    """Write to a temporary file beside ``path``, flush it to disk, then rename: never a
-    half-written file, even after a power cut."""
+    """Write ``state`` as plain data (:func:`plain_tensors`) to a temporary file beside
+    ``path``, flush it to disk, then rename: never a half-written file, even after a power
+    cut."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with tmp.open("wb") as f:
-            torch.save(state, f)
+            torch.save(plain_tensors(state), f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

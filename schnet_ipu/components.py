@@ -49,7 +49,7 @@ def make_trainer(
         prefetch=cfg.loader.prefetch,
         cache_dir=cfg.backend.executable_cache or str(Path(cfg.logging.run_dir) / "executables"),
     )
-    if task.with_forces and not isinstance(backend, TorchBackend):
+    if cfg.optim.forces_weight > 0 and not isinstance(backend, TorchBackend):
         raise ConfigError("optim.forces_weight > 0 needs a cpu or cuda backend (no PopTorch)")
     return model, optimizer, backend, task
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import math
 import typing
 from dataclasses import dataclass, field
@@ -206,8 +207,14 @@ NON_NEGATIVE = (
 )
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
-    """Read a YAML file (or the defaults), apply ``a.b=value`` overrides, and validate."""
+def load_config(
+    path: str | Path | None = None, overrides: list[str] = (), instances: int | None = None
+) -> Config:
+    """Read a YAML file (or the defaults), apply ``a.b=value`` overrides, and validate; for
+    ``ipu`` devices also the replicas one process reserves (:func:`check_ipu_replicas`):
+    ``backend.replicas`` / ``instances`` (PopRun instances, scripts/poprun.py), this PopRun
+    instance's share when run under poprun, else all. A stored config
+    (:func:`config_from_dict`) is read, not launched, so it skips that check."""
     raw: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -223,6 +230,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     for item in overrides:
         apply_override(cfg, item)
     validate(cfg)
+    if cfg.backend.device in ("ipu", "ipu-model"):  # a run to launch: the IPUs to reserve
+        where = "backend.replicas" if instances is None else "backend.replicas per instance"
+        check_ipu_replicas(_replicas_per_process(cfg.backend, instances), cfg.backend.device, where)
     return cfg
 
 
@@ -310,6 +320,37 @@ def validate(cfg: Config) -> None:
             f"backend.cuda_graphs=true needs CUDA, but backend.device={cfg.backend.device}; "
             "use backend.cuda_graphs=auto (on for CUDA only) or false"
         )
+
+
+MAX_IPUS_PER_PROCESS = 64
+
+
+def check_ipu_replicas(replicas: int, device: str, where: str = "backend.replicas") -> None:
+    """Refuse a replica count PopTorch 3.4.0 cannot reserve in one process (one IPU per
+    replica): at most 64 (``assertSingleInstanceMaxNumIPUs``, IPU Model too) and, on
+    hardware, a power of two (``roundUpNumIPUs``), in popart_compiler/source/CompilerImpl.cpp
+    of github:graphcore/poptorch at sdk/poptorch/3.4.0."""
+    if replicas > MAX_IPUS_PER_PROCESS:
+        raise ConfigError(
+            f"{where}={replicas}: PopTorch reserves at most {MAX_IPUS_PER_PROCESS} IPUs per "
+            "process; run more replicas as several instances through scripts/poprun.py"
+        )
+    if device == "ipu" and replicas & (replicas - 1):
+        raise ConfigError(
+            f"{where}={replicas}: PopTorch reserves a power of two of IPUs per process; use "
+            "1, 2, 4, 8, 16, 32 or 64 replicas per process"
+        )
+
+
+def _replicas_per_process(backend: BackendConfig, instances: int | None) -> int:
+    """``backend.replicas`` / ``instances``, or this instance's share under PopRun."""
+    if instances is not None:
+        return backend.replicas // instances
+    if backend.device != "ipu" or importlib.util.find_spec("popdist") is None:
+        return backend.replicas
+    import popdist
+
+    return popdist.getNumLocalReplicas() if popdist.isPopdistEnvSet() else backend.replicas
 
 
 # --- building dataclasses from plain data -------------------------------------------------

@@ -119,7 +119,8 @@ class EnergyTask:
 
 
 class EnergyForceTask:
-    """Energies and forces: ``mean over real molecules ((E - E_ref) / s_E)^2 + w * mean over
+    """Energies and forces (any store with forces; ``weight`` 0 trains energies only and
+    still scores the forces): ``mean over real molecules ((E - E_ref) / s_E)^2 + w * mean over
     real atoms of |F - F_ref|^2 / (3 s_F^2)``. Both terms are standardised, so a zero-force
     prediction scores about 1 when ``s_F`` is the RMS force component of the training split,
     as a mean-energy prediction does for ``s_E``. Padding atoms have zero force and no term.
@@ -138,6 +139,8 @@ class EnergyForceTask:
         self._sums: Tensor | None = None  # [4]: |E err| / atoms, molecules, |F err|, components
 
     def loss(self, model: nn.Module, batch: Batch) -> Tensor:
+        if self.weight == 0:  # energies only (no double backward); forces are still scored
+            return masked_mse(model(batch), batch.y, batch.graph_mask, self.transform.scale)
         if batch.forces is None:
             raise ValueError(
                 "optim.forces_weight > 0 needs batches with forces (a store with forces)"
@@ -180,17 +183,18 @@ class EnergyForceTask:
 
 
 def make_task(cfg: Config, data: PreparedData) -> EnergyTask | EnergyForceTask:
-    """The run's task: references and scale from the training split, forces when asked."""
+    """The run's task: references and scale from the training split; forces scored when
+    the store has them, trained with ``optim.forces_weight > 0``."""
     atomref = data.store.atomref(cfg.data.target)
     reference = np.zeros(NUM_REFERENCE_ELEMENTS)
     if cfg.data.atomrefs and atomref is not None:
         reference[: len(atomref)] = atomref
     transform = TargetTransform(tuple(reference.tolist()), data.residual_std)
-    if cfg.optim.forces_weight <= 0:
-        return EnergyTask(transform)
     if not data.store.has_forces:
-        raise ConfigError(f"optim.forces_weight > 0, but {data.store.path} holds no forces")
-    scale = force_rms(data.store, data.split["train"])
+        if cfg.optim.forces_weight > 0:
+            raise ConfigError(f"optim.forces_weight > 0, but {data.store.path} holds no forces")
+        return EnergyTask(transform)
+    scale = force_rms(data.store, data.split["train"])  # forces are scored even at weight 0
     return EnergyForceTask(transform, scale, cfg.optim.forces_weight)
 
 

@@ -3,9 +3,13 @@
     python scripts/check_py38.py          # vermin's verdict; exit 1 if anything needs > 3.8
     python scripts/check_py38.py --list   # only the modules checked
 
-The modules are the first-party import closure of ``train.py`` and the PopTorch backend:
-every ``import`` / ``from`` statement counts, including those inside functions, so lazily
-imported modules are checked too. ``vermin -t=3.8-`` checks them without evaluating
+The modules are the first-party import closure of what an IPU user runs on the SDK's
+Python: ``train.py``, the PopTorch backend, the data and packing CLIs, ``scripts/poprun.py``
+and the IPU test files (``IPU_TEST_FILES``). Every ``import`` / ``from`` statement counts,
+including those inside functions, so lazily imported modules are checked too. The test
+helpers those files import (``test_backend``...) are not first-party modules here: that
+they collect on Python 3.8 is checked by really collecting them there
+(``scripts/check_torch201.sh``). ``vermin -t=3.8-`` checks them without evaluating
 annotations: the code uses ``from __future__ import annotations``, so ``list[int]`` or
 ``X | None`` in an annotation is a string that Python 3.8 never evaluates. Outside
 annotations they are evaluated, and vermin misses them in plain assignments
@@ -25,7 +29,19 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ENTRY_POINTS = ("train.py", "schnet_ipu/backends/poptorch_backend.py")
+IPU_TEST_FILES = (
+    "tests/test_backend_poptorch.py",
+    "tests/test_poptorch_ops.py",
+    "tests/test_ipu_emulator.py",
+)
+ENTRY_POINTS = (
+    "train.py",
+    "schnet_ipu/backends/poptorch_backend.py",
+    "schnet_ipu/data/__main__.py",
+    "schnet_ipu/packing/__main__.py",
+    "scripts/poprun.py",
+    *IPU_TEST_FILES,
+)
 PACKAGE = "schnet_ipu"
 
 

@@ -42,7 +42,8 @@ def poprun_command(
     ``master`` is the host of the instances' process group; None exports MASTER_ADDR and
     MASTER_PORT from the launching shell's environment instead (the Slurm script sets them).
     """
-    cfg = load_config(args.config, args.overrides)
+    # per instance: at most 64 replicas, a power of two (config.check_ipu_replicas)
+    cfg = load_config(args.config, args.overrides, instances=args.instances)
     replicas, instances = cfg.backend.replicas, args.instances
     if cfg.backend.device != "ipu":
         raise ConfigError(

@@ -2,8 +2,8 @@
 
 Ready for the first machine with the Poplar SDK: SchNet (ipu op flavour) trains with
 ``poptorch.optim.Adam``, a schedule that reaches the device, replication 2, validation
-between steps, load-best-then-test and predict; each is compared with the same steps in
-plain PyTorch on the CPU.
+between steps, load-best-then-test and predict; each is compared with the same steps on
+the CPU (PopART's Adam written out: weight decay added before clipping).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_backend import TinyModel, make_batch, masked_mse
+from test_ipu_emulator import DECAY, popart_reference_step
 
 from schnet_ipu.backends import RecompilationError
 from schnet_ipu.config import BackendConfig, load_config
@@ -95,12 +96,12 @@ def schnet_loss(model, batch) -> torch.Tensor:
 
 
 def cpu_steps(model: SchNet, opt: torch.optim.Optimizer, calls: list[list]) -> None:
-    """The reference: per step, the mean loss over both replicas' micro-batches, clipped."""
+    """The reference: per step, the mean loss over both replicas' micro-batches, then
+    PopART's Adam: decay ``DECAY`` added before the norm is clipped to 1 (``opt`` has none)."""
     for batches in calls:
         opt.zero_grad()
         torch.stack([schnet_loss(model, b) for b in batches]).mean().backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        popart_reference_step(model, opt, 1.0)
 
 
 def test_schnet_adam_schedule_validation_best_weights_and_predict() -> None:
@@ -109,9 +110,9 @@ def test_schnet_adam_schedule_validation_best_weights_and_predict() -> None:
     cfg = BackendConfig(device="ipu-model", replicas=2)
     calls = [[make_batch(10 * c + r) for r in range(2)] for c in range(3)]
     model, ref = schnet(0), schnet(0)
-    optimizer = make_optimizer(model.parameters(), LR, weight_decay=0.01, grad_clip=1.0)
+    optimizer = make_optimizer(model.parameters(), LR, weight_decay=DECAY, grad_clip=1.0)
     backend = PoptorchBackend(cfg, model, optimizer, schnet_loss)
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=LR, weight_decay=0.01)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=LR, weight_decay=0.0)
 
     backend.train_call(calls[0])
     pred = backend.predict(calls[0][0])  # a validation: the executables swap
@@ -154,7 +155,13 @@ def store(tmp_path_factory) -> Path:
 
 
 def test_train_end_to_end_on_the_ipu_model(store: Path, tmp_path: Path) -> None:
-    """The training application: 2 replicas, cosine schedule, validation, best, test."""
+    """The training application: 2 replicas, cosine schedule, weight decay and clipping,
+    validation, best, test, a resume, evaluate and predict; on IPUs where there are some.
+    Every checkpoint loads with ``weights_only`` (PopTorch's wrapped buffers are saved
+    plain)."""
+    from schnet_ipu.evaluation import evaluate_run, predict_run
+
+    device = "ipu" if poptorch.ipuHardwareIsAvailable() else "ipu-model"
     run_dir = tmp_path / "run"
     cfg = load_config(
         None,
@@ -168,17 +175,24 @@ def test_train_end_to_end_on_the_ipu_model(store: Path, tmp_path: Path) -> None:
             "model.num_gaussians=8",
             "model.k=8",
             "packing.packs_per_batch=2",
-            "optim.epochs=2",
+            "optim.epochs=1",
             "optim.schedule=cosine",
-            "backend.device=ipu-model",
+            "optim.weight_decay=0.01",
+            "optim.grad_clip=1.0",
+            f"backend.device={device}",
             "backend.replicas=2",
             "loader.workers=0",
             "logging.progress=false",
             f"logging.run_dir={run_dir}",
         ],
     )
-    final = train(cfg)
+    train(cfg)
+    cfg.optim.epochs = 2
+    final = train(cfg)  # resumes from last.pt
     assert final["test_molecules"] == 60 and math.isfinite(final["test_mae"])
-    assert (run_dir / "executables").is_dir()  # the executable cache
-    last = torch.load(run_dir / "checkpoints/last.pt", weights_only=False)
+    if device == "ipu":  # PopTorch caches executables on hardware only (CompilerImpl.cpp)
+        assert any((run_dir / "executables").iterdir())
+    last = torch.load(run_dir / "checkpoints/last.pt", weights_only=True)
     assert last["optimizer"]["ipu_state"] is not None  # the device's Adam state
+    assert evaluate_run(run_dir, "test")["molecules"] == 60
+    assert predict_run(run_dir, "test", tmp_path / "test.csv") == 60

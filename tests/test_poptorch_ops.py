@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
-from test_backend import make_batch
+from test_backend import TinyModel, make_batch
 from test_model import tight_batch
+from torch import nn
 
 from schnet_ipu.backends import make_backend
 from schnet_ipu.backends.poptorch_ops import (
@@ -74,7 +76,6 @@ def test_composite_kernels_are_expanded_as_on_the_ipu():
 def test_ipu_model_backend_refuses_unmapped_op_on_first_step():
     """The TinyModel of test_backend sums with scatter_add (mapped); swapping in index_add makes
     backend.device=ipu-model refuse the first step, naming the op."""
-    from test_backend import TinyModel
 
     class IndexAddModel(TinyModel):
         def forward(self, batch):
@@ -96,5 +97,40 @@ def test_ipu_model_backend_refuses_unmapped_op_on_first_step():
         backend.train_call([make_batch(0)])
     with pytest.raises(UnsupportedOpError, match="aten::index_add"):
         backend.predict(make_batch(1))
-    cpu = make_backend(BackendConfig(device="cpu"), bad, torch.optim.SGD(bad.parameters()), loss)
+    cpu = make_backend(
+        BackendConfig(device="cpu"), bad, torch.optim.SGD(bad.parameters(), lr=0.01), loss
+    )
     cpu.train_call([make_batch(0)])  # the check is the emulator's only
+
+
+class WithConstant(nn.Module):
+    """TinyModel plus a constant: a registered buffer (moved to the IPU with the model), a
+    plain tensor attribute (left on the CPU) or a tensor made from numpy in forward (CPU)."""
+
+    def __init__(self, constant: str) -> None:
+        super().__init__()
+        self.base = TinyModel()
+        self.constant = constant
+        if constant == "buffer":
+            self.register_buffer("shift", torch.tensor([0.5]))
+        else:
+            self.shift = torch.tensor([0.5])
+
+    def forward(self, batch):
+        pred = self.base(batch) + torch.zeros(1)  # PopTorch gives this factory device="ipu"
+        if self.constant == "numpy":
+            return pred + torch.from_numpy(np.full(1, 0.5, dtype=np.float32))
+        return pred + self.shift
+
+
+@pytest.mark.parametrize("constant", ["buffer", "attribute", "numpy"])
+def test_a_tensor_made_on_the_cpu_inside_the_model_is_refused(constant):
+    """PopTorch moves inputs, parameters and buffers to the IPU; anything else made on the
+    CPU and mixed with them raises "Expected an IPU tensor"."""
+    model, batch = WithConstant(constant), make_batch(0)
+    on_ipu = [*batch.as_tuple(), *model.parameters(), *model.buffers()]
+    if constant == "buffer":
+        check_poptorch_ops(lambda: model(batch), on_ipu)
+        return
+    with pytest.raises(UnsupportedOpError, match="Expected an IPU tensor: add got"):
+        check_poptorch_ops(lambda: model(batch), on_ipu)

@@ -1,10 +1,12 @@
 """IPU backend through PopTorch (Graphcore Poplar SDK); imported only when an IPU is used.
 
-PopTorch compiles the whole step once for the fixed batch signature and runs D x R' x A
+PopTorch compiles the whole step once for the fixed batch signature and runs D x A x R'
 micro-batches per host call on the device (R' = this instance's replicas): the host tensors
 are the micro-batches concatenated along dim 0 (PopTorch splits dim 0 back into
-micro-batches), so every tensor has its batch dimension first; ``edge_index`` [2, E]
-travels as [E, 2].
+micro-batches, and PopART hands consecutive ones to the replicas in rotation:
+willow/src/stepiosplitter.cpp in github:graphcore/popart, so replica r of a step gets
+micro-batches r, r + R', ...), so every tensor has its batch dimension first;
+``edge_index`` [2, E] travels as [E, 2].
 
 Semantics, each decided by PopTorch 3.4.0 (github:graphcore/poptorch, tag
 sdk/poptorch/3.4.0):
@@ -18,8 +20,11 @@ sdk/poptorch/3.4.0):
   python/_poplar_executor.py); a ``torch.optim`` optimiser starts from zero state at every
   re-attach. ``poptorch.optim.Adam`` lowers to ``popart::Adam`` in ``AdamMode::Adam`` (bias
   corrected) with ``WeightDecayMode::L2Regularization`` (popart_compiler/source/
-  CompilerImpl.cpp), the same update as ``torch.optim.Adam``, and clips the global gradient
-  norm with ``max_grad_norm`` (``ClipNormSettings::clipAllWeights``, same file).
+  CompilerImpl.cpp) and clips the global gradient norm with ``max_grad_norm``
+  (``ClipNormSettings::clipAllWeights``, same file). PopART adds the L2 term to the
+  gradient before it clips (popart willow/src/patterns/adamdecompose.cpp, then
+  transforms/clipweightgradientsbynorm.cpp on the decayed gradient), where torch clips
+  first: with both on, an IPU run's update differs from a CPU run's (docs/design.md).
 * Host-side optimiser changes (the lr schedule) reach the device only through
   ``setOptimizer`` (python/_poplar_executor.py; docs/user_guide/pytorch_to_poptorch.rst):
   :meth:`PoptorchBackend.optimizer_changed` calls it, at most once per host call.
@@ -43,6 +48,7 @@ from dataclasses import replace
 
 import poptorch
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from schnet_ipu.backends.distributed import ReplicaInfo
@@ -56,9 +62,10 @@ OVERLAP_CYCLE_OPTIMIZED = 2  # popart.AccumulateOuterFragmentSchedule.OverlapCyc
 
 
 def make_optimizer(params, lr: float, weight_decay: float, grad_clip: float) -> poptorch.optim.Adam:
-    """``poptorch.optim.Adam``: torch.optim.Adam's update (L2 weight decay, bias correction),
-    float32 gradients and moments, no loss scaling, and the global norm clipped to
-    ``grad_clip`` on the device (0 = no clipping).
+    """``poptorch.optim.Adam``: Adam with L2 weight decay and bias correction, float32
+    gradients and moments, no loss scaling, and the global norm of the decayed gradient
+    clipped to ``grad_clip`` on the device (0 = no clipping; PopART decays before it clips,
+    torch after).
 
     Every value is passed explicitly: PopTorch compiles the ones left unset as constants
     (python/optim.py ``_parseArgs``), and a constant lr could not follow the schedule.
@@ -178,10 +185,11 @@ class PoptorchBackend:
     """The TorchBackend interface over ``poptorch.trainingModel`` / ``inferenceModel``.
 
     One process drives all R' replicas of its instance (R' = R without PopRun);
-    ``train_call`` takes its D x R' x A micro-batches, device iteration outermost, in the
+    ``train_call`` takes its D x A x R' micro-batches, device iteration outermost, in the
     order PopTorch splits dim 0. PopART merges the collectives, so ``collectives_per_step``
     is 1 when merged and replicated, 0 without replicas, else None (not counted). The two
-    executables are built at the first call, from the first batch's fields.
+    executables are built at the first call, from the first batch's fields. Like PopTorch
+    it has no host ``device``: host-side code evaluates on a CPU model of its own.
     """
 
     def __init__(
@@ -242,8 +250,9 @@ class PoptorchBackend:
         self._predict.model.eval()  # the inference copy returns predictions only
 
     def train_call(self, micro_batches: list[Batch]) -> list[dict]:
-        """D optimiser steps on this instance's D x R' x A micro-batches; one record per step:
-        ``loss`` (mean over the step's R' x A micro-batches) and ``molecules`` (their count)."""
+        """D optimiser steps on this instance's D x A x R' micro-batches; one record per step:
+        ``loss`` (mean over the step's micro-batches of every instance: under PopRun one
+        gloo all-reduce per host call) and ``molecules`` (this instance's count)."""
         steps = self.backend_cfg.device_iterations
         expected = steps * self.backend_cfg.gradient_accumulation * self.replicas
         if len(micro_batches) != expected:
@@ -256,7 +265,10 @@ class PoptorchBackend:
         self._build(micro_batches[0])
         _swap_onto_device(self._predict, self._train)
         _, losses = self._train(*to_device_tuple(micro_batches))
-        per_step = losses.reshape(steps, -1).mean(dim=1).tolist()
+        per_step = losses.reshape(steps, -1).mean(dim=1).float()
+        if self.replica.world_size > 1:  # PopRun: the job's loss, not this instance's
+            dist.all_reduce(per_step, op=dist.ReduceOp.SUM)
+            per_step /= self.replica.world_size
         molecules = [b.num_molecules for b in micro_batches]
         per = len(micro_batches) // steps
         return [
@@ -265,7 +277,7 @@ class PoptorchBackend:
                 "molecules": sum(molecules[i * per : (i + 1) * per]),
                 "collectives": self.collectives_per_step,
             }
-            for i, loss in enumerate(per_step)
+            for i, loss in enumerate(per_step.tolist())
         ]
 
     def predict(self, batch: Batch) -> Tensor:

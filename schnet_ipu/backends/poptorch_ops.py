@@ -23,8 +23,10 @@ How PopTorch 3.4.0 (built against torch 2.0.1) sees a model, and how this module
   registers for the IPU key (``one_hot``, ``dropout``, ...) reach it undecomposed, while
   here they are seen decomposed: the check is stricter than PopTorch for those, never
   laxer.
-* The dispatcher implements a few ops itself (``copy_``, ``detach``, ``empty``, ``item``...;
-  same two files) and ``poptorch/source/AliasProcessing.cpp`` removes ``alias``.
+* The dispatcher implements a few ops itself (``copy_``, ``detach``, ``empty``...; same two
+  files) and ``poptorch/source/AliasProcessing.cpp`` removes ``alias``. Two of them exist
+  only to fail in a traced model and are refused here: ``item`` ("only supported in eager
+  mode") and ``_local_scalar_dense`` (a copy to the CPU in the middle of the graph).
 * In-place ops are checked as their out-of-place form: ``poptorch/source/InplaceOps.cpp``
   (``outplaceKind``) drops the trailing ``_`` (``zero_`` -> ``zeros_like`` and ``fill_`` ->
   ``full_like``, ``include/poptorch/InplaceOpsPyTorch.hpp_nolint``), except ``copy_``,
@@ -33,6 +35,11 @@ How PopTorch 3.4.0 (built against torch 2.0.1) sees a model, and how this module
   operations should not be relied on" (``docs/user_guide/supported_ops.rst``): an in-place
   op writing into a view may leave the viewed tensor unchanged on the IPU. The check refuses
   such writes too, naming the op.
+* Inputs, parameters and buffers are moved to the IPU, and the factories of
+  ``python/_poplar_executor.py`` ``_SetDefaultDeviceType`` get ``device="ipu"`` when called
+  without one; any other tensor stays on the CPU, and an op mixing it with IPU tensors
+  raises "Expected an IPU tensor" (``dispatch_tracer/TypeInferenceHandler.cpp``). Given the
+  IPU's tensors, the check follows them with a ``TorchFunctionMode`` and refuses such calls.
 * Every node is then lowered by its handler, registered with ``registerHandler`` in
   ``poptorch/source/popart_canonicalization/*.cpp``; an aten node left without one makes
   ``poptorch/source/ErrorOnUnsupportedAten.cpp`` raise "Unsupported ops found in compiled
@@ -44,13 +51,16 @@ The op lists are ``poptorch_ops_3.4.0.txt`` beside this file, derived from that 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterable
 from functools import lru_cache
 from pathlib import Path
 from typing import TypeVar
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 T = TypeVar("T")
 
@@ -58,6 +68,16 @@ OPS_FILE = Path(__file__).with_name("poptorch_ops_3.4.0.txt")
 # poptorch/source/InplaceOps.cpp: onlyInplaceOps() and outplaceKind()
 ONLY_INPLACE = frozenset({"copy_", "normal_", "uniform_", "random_", "exponential_"})
 INPLACE_TO_OUT_OF_PLACE = {"zero_": "zeros_like", "fill_": "full_like"}
+# Implemented by the dispatcher only to fail inside a traced model: ``item`` raises "only
+# supported in eager mode", ``_local_scalar_dense`` is a copy to the CPU mid-graph
+# (poptorch/source/dispatch_tracer/RegisterAtenOverloads.cpp ``item``, ``localScalarDense``)
+HOST_SYNC = frozenset({"aten::item", "aten::_local_scalar_dense"})
+# python/_poplar_executor.py ``_SetDefaultDeviceType``: called without ``device`` inside the
+# model, these are given device="ipu"; any other tensor made there stays on the CPU
+IPU_FACTORIES = frozenset(
+    {"arange", "empty", "full", "full_like", "linspace", "logspace", "ones", "rand", "randint",
+     "randn", "randperm", "range", "tensor", "zeros", "zeros_like", "normal"}
+)  # fmt: skip
 
 __all__ = ["UnsupportedOpError", "check_poptorch_ops", "record_aten_ops"]
 
@@ -124,18 +144,65 @@ class _AtenRecorder(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _record(fn: Callable[[], T]) -> tuple[T, _AtenRecorder]:
+class _HostTensors(TorchFunctionMode):
+    """Follows which tensors of a traced call live on the IPU: the model's inputs, weights
+    and buffers, what is computed from them, and tensors made by the factories PopTorch sends
+    to the IPU (``IPU_FACTORIES``; one given a ``device`` is taken to name the IPU). A call
+    that mixes an IPU tensor with any other tensor (a plain tensor attribute, one made from
+    numpy, a ``.cpu()`` copy) is recorded: PopTorch raises "Expected an IPU tensor"
+    (poptorch/source/dispatch_tracer/TypeInferenceHandler.cpp ``toMeta``)."""
+
+    def __init__(self, device_tensors: Iterable[torch.Tensor]) -> None:
+        super().__init__()
+        self._on_ipu: dict[int, weakref.ref] = {}
+        self.mixed: set[str] = set()
+        for tensor in device_tensors:
+            self._mark(tensor)
+
+    def _mark(self, tensor: torch.Tensor) -> None:
+        self._on_ipu[id(tensor)] = weakref.ref(tensor)
+
+    def _is_on_ipu(self, tensor: torch.Tensor) -> bool:
+        ref = self._on_ipu.get(id(tensor))
+        return ref is not None and ref() is tensor
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        name = getattr(func, "__name__", str(func))
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        on_ipu = [self._is_on_ipu(t) for t in tensors]
+        if any(on_ipu) and not all(on_ipu):
+            self.mixed.add(name)
+        moved_to_host = name == "cpu" or (name == "to" and "cpu" in map(str, args[1:]))
+        made_on_ipu = not tensors and (name in IPU_FACTORIES or "device" in kwargs)
+        if (any(on_ipu) and not moved_to_host) or made_on_ipu:
+            for out in tree_flatten(result)[0]:
+                if isinstance(out, torch.Tensor):
+                    self._mark(out)
+        return result
+
+
+def _record(
+    fn: Callable[[], T], device_tensors: Iterable[torch.Tensor] | None = None
+) -> tuple[T, _AtenRecorder, set[str]]:
+    """``fn()`` under the aten recorder; with ``device_tensors``, also the calls that mixed
+    them (and what came of them) with host tensors."""
     recorder = _AtenRecorder()
-    with recorder:
+    if device_tensors is None:
+        with recorder:
+            return fn(), recorder, set()
+    host = _HostTensors(device_tensors)
+    with host, recorder:
         result = fn()
-    return result, recorder
+    return result, recorder, host.mixed
 
 
 def record_aten_ops(fn: Callable[[], T]) -> tuple[T, set[str]]:
     """Run ``fn`` under a ``TorchDispatchMode``; return its result and the aten ops it ran
     (``"aten::name"``, as PopTorch names its nodes), composite kernels expanded as on the IPU
     (see the module docstring)."""
-    result, recorder = _record(fn)
+    result, recorder, _ = _record(fn)
     return result, {op for op in recorder.ops if op.startswith("aten::")}
 
 
@@ -160,15 +227,30 @@ def unsupported_ops(ops: set[str]) -> set[str]:
     }
 
 
-def check_poptorch_ops(fn: Callable[[], T]) -> T:
+def check_poptorch_ops(
+    fn: Callable[[], T], device_tensors: Iterable[torch.Tensor] | None = None
+) -> T:
     """Run ``fn`` (a forward + loss, no backward inside); raise :class:`UnsupportedOpError`
-    naming every aten op PopTorch 3.4.0 could not lower and every in-place write into a view,
-    else return ``fn``'s result."""
-    result, recorder = _record(fn)
+    naming every aten op PopTorch 3.4.0 could not lower, every in-place write into a view,
+    every copy to the host and, given the tensors that live on the IPU (``device_tensors``:
+    the model's inputs, parameters and buffers), every call mixing in a tensor made on the
+    CPU; else return ``fn``'s result."""
+    result, recorder, mixed = _record(fn, device_tensors)
     bad = unsupported_ops({op for op in recorder.ops if op.startswith("aten::")})
+    synced = recorder.ops & HOST_SYNC
     problems = []
     if bad:
         problems.append(f"no handler in PopTorch 3.4.0 for {', '.join(sorted(bad))}")
+    if synced:
+        problems.append(
+            f"a copy to the host inside the model (e.g. .item(), float(tensor)), only "
+            f"supported in eager mode: {', '.join(sorted(synced))}"
+        )
+    if mixed:
+        problems.append(
+            f"Expected an IPU tensor: {', '.join(sorted(mixed))} got a tensor made on the CPU "
+            "(register it as a buffer, or create it inside forward without device=)"
+        )
     if recorder.views_written:
         problems.append(
             f"in-place writes into a view, whose aliasing PopTorch does not keep: "

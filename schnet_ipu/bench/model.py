@@ -25,7 +25,7 @@ from schnet_ipu.loader import Layout, PackMolecule, collate
 from schnet_ipu.model.schnet import SchNet
 from schnet_ipu.packing import assign_packs, plan_packing
 
-Molecule = tuple[np.ndarray, np.ndarray]  # z [n] (int), pos [n, 3] (Angstrom)
+Molecule = "tuple[np.ndarray, np.ndarray]"  # z [n] (int), pos [n, 3] (A); string: Python 3.8
 
 
 def molecules_to_batch(
