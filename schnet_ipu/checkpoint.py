@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import pickle
 import random
+import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -69,6 +70,12 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     """Read a checkpoint written by this program. Only tensors, numbers, strings, lists and
     dicts are unpickled (``weights_only``), so no file can run code; anything else, or a
     file without this program's keys, raises :class:`CheckpointError` naming it."""
+    if is_torchscript(path):
+        raise CheckpointError(
+            f"{path}: an exported TorchScript model (train.py export writes these), not a "
+            "checkpoint; load it with torch.jit.load, and give a checkpoint (RUN/checkpoints/"
+            "best.pt) or run folder here"
+        )
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
@@ -96,6 +103,15 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
             "delete it or choose another run directory"
         )
     return state
+
+
+def is_torchscript(path: Path) -> bool:
+    """True for a TorchScript archive (a zip holding compiled ``code/``), which torch.load
+    cannot read with ``weights_only``."""
+    if not zipfile.is_zipfile(path):
+        return False
+    with zipfile.ZipFile(path) as archive:
+        return any("/code/" in name for name in archive.namelist())
 
 
 @contextmanager

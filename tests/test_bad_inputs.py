@@ -443,3 +443,81 @@ def test_oversized_molecule_is_named_by_store_index_and_record(capsys, tmp_path,
     line = refused(capsys, tmp_path, run, str(store), "packing.max_nodes=4")
     index, record = (int(n) for n in re.search(r"molecule (\d+) \(record (\d+)\)", line).groups())
     assert record == 1000 + index and MoleculeStore(store).num_atoms[index] > 4
+
+
+# --- model files: predict --model, export, the calculator ---------------------------------
+
+
+def structures_file(path: Path, numbers: list[list[int]]) -> Path:
+    import ase.io
+    from ase import Atoms
+
+    frames = [
+        Atoms(numbers=z, positions=np.arange(3 * len(z)).reshape(-1, 3) * 0.4) for z in numbers
+    ]
+    ase.io.write(path, frames, format="extxyz")
+    return path
+
+
+def predict_model(model: Path, source: Path, out: Path) -> list[str]:
+    return ["predict", "--model", str(model), "--input", str(source), "--out", str(out)]
+
+
+def test_truncated_model_file(capsys, tmp_path, trained):
+    _, good_run = trained
+    model = tmp_path / "model.pt"
+    whole = (good_run / "checkpoints/best.pt").read_bytes()
+    model.write_bytes(whole[: len(whole) // 2])
+    source = structures_file(tmp_path / "in.extxyz", [[6, 1, 1, 1, 1]])
+    argv = predict_model(model, source, tmp_path / "out.extxyz")
+    refused(capsys, tmp_path, lambda: train_cli.main(argv), str(model), "unreadable checkpoint")
+
+
+@pytest.mark.parametrize("kind", ["torchscript", "state_dict"])
+def test_model_file_of_another_kind(capsys, tmp_path, trained, kind):
+    _, good_run = trained
+    model = tmp_path / "model.pt"
+    if kind == "torchscript":  # what train.py export writes
+        assert train_cli.main(["export", "--run", str(good_run), "--out", str(model)]) == 0
+        problem = "exported TorchScript model"
+    else:  # a bare state dict, as PyG or a plain training script saves
+        torch.save(torch.load(good_run / "checkpoints/best.pt")["model"], model)
+        problem = "not a checkpoint of this program"
+    source = structures_file(tmp_path / "in.extxyz", [[6, 1, 1, 1, 1]])
+    argv = predict_model(model, source, tmp_path / "out.extxyz")
+    refused(capsys, tmp_path, lambda: train_cli.main(argv), str(model), problem)
+
+
+def test_export_of_a_missing_run(capsys, tmp_path):
+    missing, out = tmp_path / "no_such_run", tmp_path / "model.pt"
+    argv = ["export", "--run", str(missing), "--out", str(out)]
+    refused(capsys, tmp_path, lambda: train_cli.main(argv), str(missing), "no such")
+
+
+def test_predict_names_the_frame_with_an_element_the_model_never_saw(capsys, tmp_path, trained):
+    _, good_run = trained
+    source = structures_file(tmp_path / "in.extxyz", [[6, 1, 1, 1, 1], [6, 17, 1, 1, 1]])
+    argv = predict_model(good_run, source, tmp_path / "out.extxyz")
+    line = refused(capsys, tmp_path, lambda: train_cli.main(argv), f"{source}, frame 1", "17")
+    assert "never seen in training" in line
+
+
+@pytest.mark.parametrize(
+    ("numbers", "positions", "problem"),
+    [
+        ([6, 9], [[0, 0, 0], [1.3, 0, 0]], "element(s) 9 never seen"),
+        ([6, 1], [[0, 0, 0], [np.nan, 0, 0]], "NaN"),
+    ],
+)
+def test_calculator_refuses_in_one_line(trained, numbers, positions, problem):
+    from ase import Atoms
+
+    from schnet_ipu.calculator import SchNetCalculator
+    from schnet_ipu.errors import UserError
+
+    _, good_run = trained
+    atoms = Atoms(numbers=numbers, positions=positions)
+    atoms.calc = SchNetCalculator(good_run)
+    with pytest.raises(UserError) as raised:
+        atoms.get_potential_energy()
+    assert problem in str(raised.value) and "\n" not in str(raised.value)
