@@ -18,10 +18,9 @@ from __future__ import annotations
 import json
 import logging
 import warnings
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Union
+from typing import Sequence, Union  # noqa: UP035 (typing's forms: a runtime alias on 3.8)
 
 import numpy as np
 import torch
@@ -33,7 +32,7 @@ from schnet_ipu.portable import PortableSchNet
 
 log = logging.getLogger("schnet_ipu")
 
-ModelPaths = Union[str, Path, Sequence[Union[str, Path]]]  # typing's form: Python 3.8
+ModelPaths = Union[str, Path, Sequence[Union[str, Path]]]  # one model file/run, or several
 
 
 @dataclass
