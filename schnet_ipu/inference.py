@@ -20,7 +20,7 @@ import logging
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence, Union  # noqa: UP035 (typing's forms: a runtime alias on 3.8)
+from typing import Sequence, Union  # typing's forms: a runtime alias on Python 3.8
 
 import numpy as np
 import torch
