@@ -63,6 +63,7 @@ from schnet_ipu.loader import PackedLoader
 from schnet_ipu.model import SchNet, masked_mse
 from schnet_ipu.pipeline import PreparedData, make_loader, prepare_data
 from schnet_ipu.plots import evaluation_plots
+from schnet_ipu.runlock import hold_run_lock, launcher_rank
 from schnet_ipu.runlog import RunLog, plot_learning_curve, read_records, truncate_after
 
 log = logging.getLogger("schnet_ipu")
@@ -88,8 +89,9 @@ def train(cfg: Config, fresh: bool = False) -> dict:
     ``fresh`` discards an existing run directory, once the data has been checked."""
     run_dir = Path(cfg.logging.run_dir)
     device = select_device(cfg.backend.device)
-    launch_replicas(_run_replica, processes_for(cfg.backend, device), cfg, fresh)
-    finals = read_records(run_dir / "metrics.jsonl", "final")
+    with hold_run_lock(run_dir, holder=launcher_rank() == 0):  # one writer per run folder
+        launch_replicas(_run_replica, processes_for(cfg.backend, device), cfg, fresh)
+        finals = read_records(run_dir / "metrics.jsonl", "final")
     return finals[-1] if finals else {}
 
 
