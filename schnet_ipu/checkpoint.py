@@ -9,6 +9,7 @@ loaded back (``torch.load(weights_only=True)``): reading a checkpoint never runs
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import random
@@ -22,6 +23,7 @@ import torch
 
 from schnet_ipu.config import ConfigError
 from schnet_ipu.errors import CheckpointError
+from schnet_ipu.runlog import append_whole, write_failed
 
 # Keys that may change between an interrupted run and its resume without changing results.
 RESUMABLE_CHANGES = ("optim.epochs", "logging.", "loader.workers", "loader.prefetch")
@@ -32,18 +34,22 @@ CHECKPOINT_KEYS = ("model", "optimizer", "scheduler", "rng", "epoch", "call", "b
 
 def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
     """Write to a temporary file beside ``path``, flush it to disk, then rename: never a
-    half-written file, even after a power cut."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    half-written file, even after a power cut. The state is serialised in memory first, so
+    a full disk, a file-size limit or a read-only folder is an OS error with its errno
+    (``torch.save`` into a file reports it as a bare RuntimeError): it raises
+    :class:`~schnet_ipu.errors.RunDirError` and the previous ``path`` stays as it was."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with tmp.open("wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
+        path.parent.mkdir(parents=True, exist_ok=True)
         tmp.unlink(missing_ok=True)
-        raise
+        append_whole(tmp, buffer.getbuffer())
+        os.replace(tmp, path)
+    except OSError as err:
+        raise write_failed(path, err) from err
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
