@@ -51,7 +51,7 @@ def store(tmp_path_factory) -> Path:
 
 def start_job(store: Path, run_dir: Path) -> list[subprocess.Popen]:
     """Two torchrun agents (nodes) of one worker each, rendezvous on a free local port;
-    each agent leads its own process group, so a whole node can be killed."""
+    each agent in a session of its own, as on a node of its own."""
     port = free_port()
     train = [
         str(ROOT / "train.py"),
@@ -178,8 +178,9 @@ def test_killed_run_resumes_to_the_uninterrupted_log(store, uninterrupted, tmp_p
     agents = start_job(store, run_dir)
     wait_until(lambda: in_epoch_one(run_dir), agents, "a step of epoch 1")
     if killed == "whole job":  # every agent and worker at once, then resubmitted
-        for agent in agents:
-            os.killpg(agent.pid, signal.SIGKILL)
+        workers = [worker_of_rank(agents, rank) for rank in (0, 1)]  # own sessions: by pid
+        for pid in [*workers, *(a.pid for a in agents)]:
+            os.kill(pid, signal.SIGKILL)
         for agent in agents:
             agent.wait()
         assert ("epoch", 1) not in [(r["kind"], r.get("epoch")) for r in records(run_dir)]

@@ -10,7 +10,9 @@ The datasets are preallocated from the known atom counts (``num_atoms`` [M]) in 
 each chunk the file is flushed and its ``written_molecules`` attribute advanced, so a killed
 or disk-full run leaves a partial file that a new writer with the same ``key`` resumes, and
 that :class:`MoleculeStore` refuses (``complete`` is False). Only ``finish`` renames it to
-the store path.
+the store path. A chunk with a bad record (unknown element, non-finite value, wrong size) is
+refused before anything of it is written, and the partial file is deleted: bad input leaves
+nothing behind.
 """
 
 from __future__ import annotations
@@ -163,7 +165,8 @@ class StoreWriter:
             if v.shape != (len(ids),):
                 raise StoreError(f"{where}: target {name!r} has shape {v.shape}, not [{len(ids)}]")
         bad = invalid_records(z, pos, self.offsets[first : stop + 1] - lo, values)
-        if bad:
+        if bad:  # bad input: no partial store to resume from, nothing written
+            self.discard()
             m = min(bad)
             raise StoreError(f"{self.path}: record {int(ids[m])} (molecule {first + m}) {bad[m]}")
         f = self._file
@@ -190,6 +193,11 @@ class StoreWriter:
         f.close()
         os.replace(self.tmp, self.path)
         return self.path
+
+    def discard(self) -> None:
+        """Close and delete the partial file: its input was bad, so resuming it is useless."""
+        self.close()
+        self.tmp.unlink(missing_ok=True)
 
     def close(self) -> None:
         """Close the partial file (kept for resuming)."""
