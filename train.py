@@ -68,20 +68,27 @@ def run_command(command: str, argv: list[str]) -> int:
             "--input", type=Path, help="ASE-readable structures: writes them as extxyz to --out"
         )
     args = parser.parse_args(argv)
-    from schnet_ipu.training import evaluate_run, predict_run
+    from schnet_ipu.runlock import hold_run_lock
 
-    if command == "evaluate":
-        print(json.dumps(evaluate_run(args.run, args.split), indent=2))
-    elif args.input is not None:
-        from schnet_ipu.inference import predict_file
+    # evaluate writes its pictures into the run folder, predict its output by default: they
+    # hold the folder's lock; predict --out elsewhere only reads the run
+    out = getattr(args, "out", None)
+    writes_there = out is None or args.run.resolve() in out.resolve().parents
+    with hold_run_lock(args.run, holder=writes_there):
+        from schnet_ipu.training import evaluate_run, predict_run
 
-        out = args.out or args.run / "predictions.extxyz"
-        frames = predict_file(args.run, args.input, out)
-        print(f"wrote {frames} structures with predicted energy and forces to {out}")
-    else:
-        out = args.out or args.run / f"predictions_{args.split}.csv"
-        rows = predict_run(args.run, args.split, out)
-        print(f"wrote {rows} predictions to {out}")
+        if command == "evaluate":
+            print(json.dumps(evaluate_run(args.run, args.split), indent=2))
+        elif args.input is not None:
+            from schnet_ipu.inference import predict_file
+
+            out = args.out or args.run / "predictions.extxyz"
+            frames = predict_file(args.run, args.input, out)
+            print(f"wrote {frames} structures with predicted energy and forces to {out}")
+        else:
+            out = args.out or args.run / f"predictions_{args.split}.csv"
+            rows = predict_run(args.run, args.split, out)
+            print(f"wrote {rows} predictions to {out}")
     return 0
 
 

@@ -196,3 +196,26 @@ def test_nested_holds_share_one_lock_and_other_ranks_hold_none(tmp_path):
         )  # fmt: skip
         assert probe.returncode != 0 and f"pid {os.getpid()}" in probe.stderr
     assert not lock_path(run_dir).exists() and not (tmp_path / "a").exists()
+
+
+def test_evaluate_and_predict_into_a_held_folder_are_refused(tmp_path, capsys):
+    """They write pictures / predictions into the run folder; predict --out elsewhere only
+    reads the run and goes on (here to a missing checkpoint)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_cli", ROOT / "train.py")
+    train_cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_cli)
+    run_dir = tmp_path / "run"
+    other = hold_elsewhere(run_dir)
+    try:
+        for command in ("evaluate", "predict"):
+            assert train_cli.main([command, "--run", str(run_dir)]) == 2
+            assert f"pid {other.pid}" in capsys.readouterr().err, command
+        elsewhere = ["predict", "--run", str(run_dir), "--out", str(tmp_path / "p.csv")]
+        assert train_cli.main(elsewhere) == 2
+        err = capsys.readouterr().err
+        assert "has no best checkpoint" in err and "in use" not in err, err
+    finally:
+        other.kill()
+        other.wait()
