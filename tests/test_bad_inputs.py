@@ -626,3 +626,21 @@ def test_streaming_writer_refuses_a_bad_record_and_leaves_nothing(capsys, tmp_pa
         capsys, tmp_path, lambda: data_cli(argv), str(out), f"record {10 * 10**8 + 1}", problem
     )
     assert not out.exists() and not list(tmp_path.glob(".water.h5*")), line
+
+
+@pytest.mark.parametrize(
+    ("args", "problem"),
+    [
+        (["--clusters", "0"], "clusters >= 1"),
+        (["--sizes", "5", "3"], "1 <= min <= max"),
+        (["--sizes", "31", "40", "--distribution", "hydronet"], "none in 31..40"),
+        (["--templates", "-2"], "templates >= 1"),
+    ],
+)
+def test_streaming_water_generator_refuses_bad_parameters(capsys, tmp_path, args, problem):
+    """``import water --templates N`` (the streamed HydroNet-scale generator): one line,
+    no partial file."""
+    out = tmp_path / "water.h5"
+    argv = ["import", "water", "--templates", "2", *args, "--out", str(out)]
+    line = refused(capsys, tmp_path, lambda: data_cli(argv), problem)
+    assert not list(tmp_path.glob("*water.h5*")), line
