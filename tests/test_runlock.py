@@ -110,6 +110,7 @@ def test_a_second_run_on_a_held_folder_is_refused(store, tmp_path):
     assert json.loads(out[out.index("{") :])["test_mae"] > 0
 
 
+@pytest.mark.slow  # ~25 s: two trainings; test_stale_lock_taken_over_with_a_warning is quick
 def test_the_lock_of_a_sigkilled_run_is_taken_over(store, tmp_path):
     """SIGKILL after the first checkpoint: the lock file stays with the dead pid, the next
     start warns, takes it over, resumes, and ends with every epoch once."""
