@@ -64,7 +64,7 @@ def _read_failure(err: Exception) -> str:
     if isinstance(symbol, str) and symbol not in atomic_numbers:
         return f"unknown element {symbol!r}"
     if isinstance(err, EOFError):
-        return f"the file ends early: truncated or cut-off compressed file ({err})"
+        return f"the file ends early, truncated: {err}"
     message = str(err).splitlines()[0] if str(err) else ""
     return f"{type(err).__name__}: {message}" if message else type(err).__name__
 
