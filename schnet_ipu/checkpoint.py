@@ -34,10 +34,11 @@ CHECKPOINT_KEYS = ("model", "optimizer", "scheduler", "rng", "epoch", "call", "b
 
 def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
     """Write to a temporary file beside ``path``, flush it to disk, then rename: never a
-    half-written file, even after a power cut. The state is serialised in memory first, so
-    a full disk, a file-size limit or a read-only folder is an OS error with its errno
-    (``torch.save`` into a file reports it as a bare RuntimeError): it raises
-    :class:`~schnet_ipu.errors.RunDirError` and the previous ``path`` stays as it was."""
+    half-written file, even after a power cut. The state is serialised in memory first and
+    written as plain bytes, so a full disk, a file-size limit or a read-only folder is an
+    OS error of this function (``torch.save``'s own writer names no file): it raises
+    :class:`~schnet_ipu.errors.RunDirError` naming ``path``, and the previous ``path`` stays
+    as it was."""
     buffer = io.BytesIO()
     torch.save(state, buffer)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
