@@ -183,7 +183,6 @@ def test_killed_run_resumes_to_the_uninterrupted_log(store, uninterrupted, tmp_p
             os.kill(pid, signal.SIGKILL)
         for agent in agents:
             agent.wait()
-        assert ("epoch", 1) not in [(r["kind"], r.get("epoch")) for r in records(run_dir)]
         agents = start_job(store, run_dir)
     else:
         os.kill(worker_of_rank(agents, int(killed[-1])), signal.SIGKILL)
