@@ -7,9 +7,10 @@ record exactly once with the values of an uninterrupted run.
 Timeline of a killed-rank run: the test waits for ``checkpoints/last.pt`` (written after
 epoch 0) and for the first step record of epoch 1, then SIGKILLs the worker whose RANK is
 the one asked for. The survivor's next gloo collective fails, both agents stop their
-workers and rendezvous again, and the new rank 0 (either node may get it) loads ``last.pt``
-(epoch 1, call 0), drops the records written after it (``runlog.truncate_after``) and takes
-the run folder's lock over (a SIGKILLed rank 0 leaves it behind).
+workers (SIGTERM) and rendezvous again (a round may fail to connect gloo and take one more
+restart), and the new rank 0 (either node may get it) loads ``last.pt`` (epoch 1, call 0),
+drops the records written after it (``runlog.truncate_after``) and takes the run folder's
+lock over (a SIGKILLed or SIGTERMed rank 0 leaves it behind).
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def start_job(store: Path, run_dir: Path) -> list[subprocess.Popen]:
             str(TORCHRUN),
             "--nnodes=2",
             "--nproc-per-node=1",
-            "--max-restarts=2",
+            "--max-restarts=3",  # a restart round can fail to connect gloo once
             "--monitor-interval=1",
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint=127.0.0.1:{port}",
@@ -200,5 +201,7 @@ def test_killed_run_resumes_to_the_uninterrupted_log(store, uninterrupted, tmp_p
         )
     logs = "".join((run_dir.parent / f"run.node{n}.log").read_text() for n in (0, 1))
     assert "at epoch 1, host call 0" in logs  # resumed from the first checkpoint
-    # a SIGKILLed rank 0 leaves its lock behind; the restarted rank 0 takes it over
-    assert ("taking over the lock" in logs) == (killed != "rank 1"), killed
+    # a SIGKILLed rank 0 leaves its lock behind and the restarted rank 0 takes it over (after
+    # a killed rank 1 too, when the agent SIGTERMs rank 0 before it exits on its own)
+    if killed != "rank 1":
+        assert "taking over the lock" in logs, killed
