@@ -32,6 +32,12 @@ from schnet_ipu.data import write_store
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 EPOCHS = 4
+# torchrun's agents share their rendezvous TCPStore with the workers by default, and the
+# workers tell restart rounds apart by their own agent's restart count, which the agents do
+# not agree on: a later round can read a dead round's keys and hang in init_process_group
+# (seen here: both ranks stuck in ProcessGroupGloo's connect; pytorch/pytorch#135712). With
+# the store not shared, rank 0 hosts a fresh one every round.
+ELASTIC_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 pytestmark = [
     pytest.mark.slow,  # each torchrun job ~30-40 s on 2 busy cores; ~2.5 min in all
@@ -93,7 +99,7 @@ def start_job(store: Path, run_dir: Path) -> list[subprocess.Popen]:
         agents.append(
             subprocess.Popen(
                 command,
-                env={**os.environ, "PYTHONPATH": str(ROOT)},
+                env={**os.environ, "PYTHONPATH": str(ROOT), **ELASTIC_ENV},
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
