@@ -17,6 +17,7 @@ import argparse
 import json
 import logging
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 from schnet_ipu.config import load_config
@@ -45,9 +46,13 @@ def train_command(argv: list[str]) -> int:
     if args.print_config:
         print(cfg.to_yaml(), end="")
         return 0
-    from schnet_ipu.training import train  # heavy imports only once the config is valid
+    from schnet_ipu.runlock import hold_run_lock, launcher_rank
 
-    final = train(cfg, fresh=args.fresh)
+    # one writer per run folder, refused before the heavy imports (a second run: < 1 s)
+    with hold_run_lock(Path(cfg.logging.run_dir), holder=launcher_rank() == 0):
+        from schnet_ipu.training import train  # heavy imports only once the config is valid
+
+        final = train(cfg, fresh=args.fresh)
     print(json.dumps(final, indent=2))
     return 0
 
@@ -77,25 +82,34 @@ def run_command(command: str, argv: list[str]) -> int:
     models = args.model or ([args.run] if args.run else [])
     if not models:
         parser.error("give --run RUN" + (" or --model FILE" if command == "predict" else ""))
-    if command == "predict" and args.input is not None:
-        from schnet_ipu.inference import predict_file
-
-        if args.out is None and args.run is None:
-            parser.error("--model with --input needs --out")
-        out = args.out or args.run / "predictions.extxyz"
-        frames = predict_file(models, args.input, out)
-        print(f"wrote {frames} structures with predicted energy and forces to {out}")
-        return 0
-    if args.run is None:
+    if command == "predict" and args.input is not None and args.out is None and not args.run:
+        parser.error("--model with --input needs --out")
+    if args.run is None and (command == "evaluate" or args.input is None):
         parser.error(f"{command} of a split needs --run RUN (the run's data)")
-    from schnet_ipu.evaluation import evaluate_run, predict_run
+    from schnet_ipu.runlock import hold_run_lock
 
-    if command == "evaluate":
-        print(json.dumps(evaluate_run(args.run, args.split), indent=2))
-    else:
-        out = args.out or args.run / f"predictions_{args.split}.csv"
-        rows = predict_run(args.run, args.split, out)
-        print(f"wrote {rows} predictions to {out}")
+    # evaluate writes its pictures into the run folder, predict its output by default: they
+    # hold the folder's lock; predict --out elsewhere (or of --model files) only reads
+    writes_there = args.run is not None and (
+        args.out is None or args.run.resolve() in args.out.resolve().parents
+    )
+    lock = hold_run_lock(args.run, holder=writes_there) if args.run else nullcontext()
+    with lock:
+        if command == "predict" and args.input is not None:
+            from schnet_ipu.inference import predict_file
+
+            out = args.out or args.run / "predictions.extxyz"
+            frames = predict_file(models, args.input, out)
+            print(f"wrote {frames} structures with predicted energy and forces to {out}")
+            return 0
+        from schnet_ipu.evaluation import evaluate_run, predict_run
+
+        if command == "evaluate":
+            print(json.dumps(evaluate_run(args.run, args.split), indent=2))
+        else:
+            out = args.out or args.run / f"predictions_{args.split}.csv"
+            rows = predict_run(args.run, args.split, out)
+            print(f"wrote {rows} predictions to {out}")
     return 0
 
 

@@ -9,6 +9,7 @@ loaded back (``torch.load(weights_only=True)``): reading a checkpoint never runs
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import random
@@ -23,6 +24,7 @@ import torch
 
 from schnet_ipu.config import ConfigError
 from schnet_ipu.errors import CheckpointError
+from schnet_ipu.runlog import append_whole, write_failed
 
 # Keys that may change between an interrupted run and its resume without changing results.
 RESUMABLE_CHANGES = ("optim.epochs", "logging.", "loader.workers", "loader.prefetch")
@@ -52,18 +54,23 @@ def plain_tensors(state: Any) -> Any:
 def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
     """Write ``state`` as plain data (:func:`plain_tensors`) to a temporary file beside
     ``path``, flush it to disk, then rename: never a half-written file, even after a power
-    cut."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    cut. The state is serialised in memory first and written as plain bytes, so a full
+    disk, a file-size limit or a read-only folder is an OS error of this function
+    (``torch.save``'s own writer names no file): it raises
+    :class:`~schnet_ipu.errors.RunDirError` naming ``path``, and the previous ``path`` stays
+    as it was."""
+    buffer = io.BytesIO()
+    torch.save(plain_tensors(state), buffer)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with tmp.open("wb") as f:
-            torch.save(plain_tensors(state), f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
+        path.parent.mkdir(parents=True, exist_ok=True)
         tmp.unlink(missing_ok=True)
-        raise
+        append_whole(tmp, buffer.getbuffer())
+        os.replace(tmp, path)
+    except OSError as err:
+        raise write_failed(path, err) from err
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:

@@ -26,6 +26,7 @@ _EXPECTED_ERRNOS = {
     errno.ENOSPC: "no space left on the device; free some space and re-run",
     errno.EDQUOT: "disk quota exceeded; free some space and re-run",
     errno.EROFS: "read-only file system; choose a writable path",
+    errno.EFBIG: "file too large (file system or `ulimit -f` limit); free space or raise it",
 }
 _EXPECTED_OS_ERRORS = {
     FileNotFoundError: "not found; check the path",

@@ -8,7 +8,9 @@
 Each record is flushed to disk (fsync) before ``write`` returns, so the training loop writes
 an epoch's record before the checkpoint that claims the epoch. A crash can leave at most a
 torn last line: reading skips it with a warning and :func:`truncate_after` (run on resume)
-drops it, rewriting the log atomically.
+drops it, rewriting the log atomically. A write that fails (full disk, file-size limit,
+read-only folder) leaves no torn line: it is cut back off and the run stops with one line
+(:func:`write_failed`), so the records before it and the last checkpoint stay valid.
 """
 
 from __future__ import annotations
@@ -48,11 +50,10 @@ class RunLog:
             )
 
     def write(self, kind: str, **fields: Any) -> None:
+        """Append one record, whole or not at all: a write that fails part-way (disk full,
+        file-size limit, read-only folder) is cut back off and raises :class:`RunDirError`."""
         record = {"kind": kind, **{k: _plain(v) for k, v in fields.items()}}
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        append_whole(self.path, (json.dumps(record) + "\n").encode())
         if self.wandb is not None:
             numbers = {f"{kind}/{k}": v for k, v in record.items() if isinstance(v, (int, float))}
             self.wandb.log(numbers)
@@ -60,6 +61,37 @@ class RunLog:
     def close(self) -> None:
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def append_whole(path: Path, data: bytes) -> None:
+    """Append ``data`` to ``path`` and fsync; on an OS error the file is truncated back to
+    its length before (truncating needs no space) and :class:`RunDirError` names it."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    except OSError as err:
+        raise write_failed(path, err) from err
+    try:
+        length = os.fstat(fd).st_size
+        try:
+            view = memoryview(data)
+            while view:  # a full disk or a size limit can take part of a write
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        except OSError as err:
+            os.ftruncate(fd, length)
+            raise write_failed(path, err) from err
+    finally:
+        os.close(fd)
+
+
+def write_failed(path: Path, err: OSError) -> RunDirError:
+    """The one-line error of a run-folder write that failed: everything written before it
+    is kept, so the run resumes once the cause is gone."""
+    return RunDirError(
+        f"{path}: could not write ({err.strerror or err}); what was on disk before is kept "
+        "(records, last good checkpoint). Free some space, raise the file-size limit or make "
+        "the folder writable, then re-run to resume"
+    )
 
 
 def read_records(path: Path, kind: str | None = None) -> list[dict[str, Any]]:
@@ -99,11 +131,14 @@ def truncate_after(path: Path, epoch: int, call: int) -> None:
         or (r["kind"] == "step" and (r["epoch"], r["call"]) < (epoch, call))
     ]
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with tmp.open("w") as f:
-        f.write("".join(json.dumps(r) + "\n" for r in kept))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        tmp.unlink(missing_ok=True)
+        append_whole(tmp, "".join(json.dumps(r) + "\n" for r in kept).encode())
+        os.replace(tmp, path)
+    except OSError as err:
+        raise write_failed(path, err) from err
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def plot_learning_curve(metrics_path: Path, out: Path, unit: str) -> None:

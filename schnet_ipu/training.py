@@ -52,6 +52,7 @@ from schnet_ipu.config import Config
 from schnet_ipu.errors import UserError
 from schnet_ipu.loader import PackedLoader
 from schnet_ipu.pipeline import make_loader, prepare_data
+from schnet_ipu.runlock import hold_run_lock, launcher_rank
 from schnet_ipu.runlog import RunLog, plot_learning_curve, read_records, truncate_after
 from schnet_ipu.task import Task, evaluate, trivial_baselines
 
@@ -76,8 +77,9 @@ def train(cfg: Config, fresh: bool = False) -> dict:
     ``fresh`` discards an existing run directory, once the data has been checked."""
     run_dir = Path(cfg.logging.run_dir)
     device = select_device(cfg.backend.device)
-    launch_replicas(_run_replica, processes_for(cfg.backend, device), cfg, fresh)
-    finals = read_records(run_dir / "metrics.jsonl", "final")
+    with hold_run_lock(run_dir, holder=launcher_rank() == 0):  # one writer per run folder
+        launch_replicas(_run_replica, processes_for(cfg.backend, device), cfg, fresh)
+        finals = read_records(run_dir / "metrics.jsonl", "final")
     return finals[-1] if finals else {}
 
 

@@ -445,6 +445,207 @@ def test_oversized_molecule_is_named_by_store_index_and_record(capsys, tmp_path,
     assert record == 1000 + index and MoleculeStore(store).num_atoms[index] > 4
 
 
+# --- ASE import and the streaming writer (data.source=ase, import hydronet) ----------------
+
+
+def emt_frames(count: int = 5) -> list:
+    """``count`` Cu clusters of 3-6 atoms labelled by ASE's EMT, energy and forces stored as
+    ``info`` / ``arrays`` (so each frame can be damaged on its own)."""
+    from ase import Atoms
+    from ase.calculators.emt import EMT
+
+    rng = np.random.default_rng(2)
+    frames = []
+    for i in range(count):
+        n = 3 + i % 4
+        atoms = Atoms(
+            f"Cu{n}", positions=2.5 * np.eye(3)[np.arange(n) % 3] * (1 + np.arange(n))[:, None]
+        )
+        atoms.positions += rng.normal(0, 0.05, (n, 3))
+        atoms.calc = EMT()
+        energy, forces = atoms.get_potential_energy(), atoms.get_forces()
+        atoms.calc = None
+        atoms.info["energy"] = energy
+        atoms.arrays["forces"] = forces
+        frames.append(atoms)
+    return frames
+
+
+def write_extxyz(path: Path, frames: list, edit=None) -> Path:
+    """Write ``frames`` as extxyz; ``edit(lines, first_line_of_frame)`` may change the text."""
+    import ase.io
+
+    ase.io.write(path, frames, format="extxyz")
+    if edit is not None:
+        lines = path.read_text().splitlines(keepends=True)
+        starts = np.cumsum([0] + [len(f) + 2 for f in frames])
+        edit(lines, [int(s) for s in starts])
+        path.write_text("".join(lines))
+    return path
+
+
+def damaged_frame(change) -> list:
+    frames = emt_frames()
+    change(frames[2])
+    return frames
+
+
+def frame2_text(pattern: str, new: str):
+    """An edit of frame 2's header or first atom line: the first match of ``pattern``."""
+
+    def edit(lines: list, starts: list) -> None:
+        for row in (starts[2] + 1, starts[2] + 2):
+            if re.search(pattern, lines[row]):
+                lines[row] = re.sub(pattern, new, lines[row], count=1)
+                return
+        raise AssertionError(f"{pattern!r} not in frame 2")
+
+    return edit
+
+
+def wrong_force_shape(atoms) -> None:
+    del atoms.arrays["forces"]
+    atoms.arrays["forces"] = np.ones((len(atoms), 2))
+
+
+def with_forces(value: float):
+    def change(atoms) -> None:
+        atoms.arrays["forces"][1, 0] = value
+
+    return change
+
+
+ASE_CASES = {
+    # name: (frames, text edit, energy_key, what the line must say besides file and frame)
+    "missing energy": (damaged_frame(lambda a: a.info.pop("energy")), None, "no energy 'energy'"),
+    "forces of the wrong shape": (damaged_frame(wrong_force_shape), None, "shape [5, 2], expected"),
+    "NaN forces": (damaged_frame(with_forces(np.nan)), None, "forces 'forces' on atom 1"),
+    "inf forces": (damaged_frame(with_forces(np.inf)), None, "forces 'forces' on atom 1"),
+    "non-numeric energy": (emt_frames(), frame2_text(r"energy=\S+", "energy=abc"), "not a number"),
+    "unknown element": (emt_frames(), frame2_text(r"^Cu ", "Qq "), "unknown element 'Qq'"),
+}  # fmt: skip
+
+
+def ase_command(files: list[Path], out: Path, run_dir: Path, energy_key: str = "energy") -> list:
+    return [
+        "data.source=ase",
+        f"data.files=[{', '.join(str(f) for f in files)}]",
+        f"data.path={out}",
+        "data.target=energy",
+        f"data.energy_key={energy_key}",
+        "backend.device=cpu",
+        f"logging.run_dir={run_dir}",
+    ]
+
+
+@pytest.mark.parametrize("case", list(ASE_CASES))
+def test_bad_ase_frame(capsys, tmp_path, case):
+    """One ``error:`` line naming the file and frame 2, exit 2, no store, no run folder."""
+    frames, edit, problem = ASE_CASES[case]
+    path = write_extxyz(tmp_path / "frames.extxyz", frames, edit)
+    out = tmp_path / "store.h5"
+    argv = ase_command([path], out, tmp_path / "run")
+    line = refused(capsys, tmp_path, lambda: train_cli.main(argv), f"{path}, frame 2", problem)
+    assert not out.exists() and not (tmp_path / "run").exists(), line
+
+
+def test_empty_ase_file(capsys, tmp_path):
+    empty = tmp_path / "empty.extxyz"
+    empty.write_text("")
+    argv = ase_command([empty], tmp_path / "store.h5", tmp_path / "run")
+    refused(capsys, tmp_path, lambda: train_cli.main(argv), str(empty), "empty file")
+
+
+def test_truncated_gzip_names_the_frame_it_ends_in(capsys, tmp_path):
+    import gzip
+    import zlib
+
+    frames = emt_frames(200)
+    whole = write_extxyz(tmp_path / "frames.extxyz", frames).read_bytes()
+    path = tmp_path / "frames.extxyz.gz"
+    packed = gzip.compress(whole)
+    path.write_bytes(packed[: len(packed) * 3 // 5])
+    (tmp_path / "frames.extxyz").unlink()
+    # the frame the readable text ends in: whole frames before the cut
+    readable = zlib.decompressobj(wbits=31).decompress(path.read_bytes()).decode()
+    lines = readable.count("\n")
+    ends_in = int(np.searchsorted(np.cumsum([len(f) + 2 for f in frames]), lines, "right"))
+    assert 0 < ends_in < len(frames)
+    argv = ase_command([path], tmp_path / "store.h5", tmp_path / "run")
+    refused(
+        capsys, tmp_path, lambda: train_cli.main(argv), f"{path}, frame {ends_in}", "ends early"
+    )
+
+
+def test_energy_key_in_no_frame_lists_the_keys_present(capsys, tmp_path):
+    path = write_extxyz(tmp_path / "frames.extxyz", emt_frames())
+    argv = ase_command([path], tmp_path / "store.h5", tmp_path / "run", energy_key="U0")
+    line = refused(capsys, tmp_path, lambda: train_cli.main(argv), str(path), "'U0'")
+    assert "keys present: energy, forces" in line and "data.energy_key" in line
+
+
+def hydronet_files(raw_dir: Path, damage) -> None:
+    """Tiny PyG-style HydroNet files W3..W25 (2 clusters each); ``damage(waters, z, pos, y)``
+    may spoil one."""
+    rng = np.random.default_rng(0)
+    raw_dir.mkdir()
+    for waters in range(3, 26):
+        z = np.tile([8, 1, 1], (2, waters))
+        pos = np.arange(3 * waters)[None, :, None] * 1.6 + rng.normal(0, 0.1, (2, 3 * waters, 3))
+        y = -10.0 * waters + rng.normal(size=2)
+        damage(waters, z, pos, y)
+        np.savez(raw_dir / f"W{waters}_geoms_all.npz", z=z, pos=pos, y=y, num_graphs=2)
+
+
+def spoil(waters: int, what: str):
+    def damage(w: int, z: np.ndarray, pos: np.ndarray, y: np.ndarray) -> None:
+        if w != waters:
+            return
+        if what == "energy":
+            y[1] = np.nan
+        elif what == "position":
+            pos[1, 4, 0] = np.inf
+        else:
+            z[1, 4] = 0
+
+    return damage
+
+
+@pytest.mark.parametrize(
+    ("what", "problem"),
+    [("energy", "non-finite target"), ("position", "non-finite"), ("element", "unknown element")],
+)
+def test_streaming_writer_refuses_a_bad_record_and_leaves_nothing(capsys, tmp_path, what, problem):
+    """W3..W9 are streamed into the partial store before W10's bad record: the import stops
+    naming the record, and deletes the partial file."""
+    raw = tmp_path / "raw"
+    hydronet_files(raw, spoil(10, what))
+    out = tmp_path / "water.h5"
+    argv = ["import", "hydronet", "--raw-dir", str(raw), "--subset", "small", "--out", str(out)]
+    line = refused(
+        capsys, tmp_path, lambda: data_cli(argv), str(out), f"record {10 * 10**8 + 1}", problem
+    )
+    assert not out.exists() and not list(tmp_path.glob(".water.h5*")), line
+
+
+@pytest.mark.parametrize(
+    ("args", "problem"),
+    [
+        (["--clusters", "0"], "clusters >= 1"),
+        (["--sizes", "5", "3"], "1 <= min <= max"),
+        (["--sizes", "31", "40", "--distribution", "hydronet"], "none in 31..40"),
+        (["--templates", "-2"], "templates >= 1"),
+    ],
+)
+def test_streaming_water_generator_refuses_bad_parameters(capsys, tmp_path, args, problem):
+    """``import water --templates N`` (the streamed HydroNet-scale generator): one line,
+    no partial file."""
+    out = tmp_path / "water.h5"
+    argv = ["import", "water", "--templates", "2", *args, "--out", str(out)]
+    line = refused(capsys, tmp_path, lambda: data_cli(argv), problem)
+    assert not list(tmp_path.glob("*water.h5*")), line
+
+
 # --- model files: predict --model, export, the calculator ---------------------------------
 
 

@@ -6,9 +6,11 @@ Every frame becomes one store record; record ids are the frame's position across
 files in order, and the store's ``files`` / ``frames_per_file`` attributes map an id back to
 "file, frame i". Energies are read from ``atoms.info[energy_key]`` or the attached calculator,
 forces from ``atoms.arrays[forces_key]`` or the calculator (optional, but all frames or none).
-A bad frame (no energy, unknown element, NaN position, a periodic cell) stops the import with
-one line naming the file and frame index, and nothing is written. Periodic frames are refused:
-the model's neighbour lists are for open clusters and molecules.
+A bad frame (no energy or a non-numeric one, unknown element, NaN position, forces of the
+wrong shape or not finite, a periodic cell) or a file ASE cannot read (empty, a truncated
+gzip) stops the import with one line naming the file and frame index, and nothing is
+written; an ``energy_key`` that no frame of a file has is named with the keys present.
+Periodic frames are refused: the model's neighbour lists are for open clusters and molecules.
 """
 
 from __future__ import annotations
@@ -29,19 +31,65 @@ FORCES_UNIT = "eV/Angstrom"
 
 
 def read_frames(path: str | Path) -> list:
-    """All frames of one ASE-readable file as ``ase.Atoms``; StoreError if unreadable."""
+    """All frames of one ASE-readable file as ``ase.Atoms``; StoreError naming the file and
+    the frame where reading failed (an empty file, a truncated gzip, an unknown symbol)."""
     import ase.io
 
     path = Path(path)
     if not path.is_file():
         raise StoreError(f"{path}: file not found")
+    if path.stat().st_size == 0:
+        raise StoreError(f"{path}: empty file (no frames); give a file with structures")
+    frames: list = []
     try:
-        frames = ase.io.read(path, index=":")
+        for atoms in ase.io.iread(path, index=":"):
+            frames.append(atoms)
     except Exception as err:  # ASE raises many kinds for unreadable or unknown formats
-        message = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise StoreError(f"{path}: cannot read with ase.io.read ({message})") from err
+        frame = len(frames)
+        if isinstance(err, EOFError) and not frames:  # extxyz scans the file before parsing
+            frame = _whole_xyz_frames(path)
+        raise StoreError(
+            f"{path}, frame {frame}: cannot read with ase.io.read ({_read_failure(err)})"
+        ) from err
     if not frames:
         raise StoreError(f"{path}: no frames")
+    return frames
+
+
+def _read_failure(err: Exception) -> str:
+    """What ASE's exception means, in a few words."""
+    from ase.data import atomic_numbers
+
+    symbol = err.args[0] if isinstance(err, KeyError) and err.args else None
+    if isinstance(symbol, str) and symbol not in atomic_numbers:
+        return f"unknown element {symbol!r}"
+    if isinstance(err, EOFError):
+        return f"the file ends early, truncated: {err}"
+    message = str(err).splitlines()[0] if str(err) else ""
+    return f"{type(err).__name__}: {message}" if message else type(err).__name__
+
+
+def _whole_xyz_frames(path: Path) -> int:
+    """Whole (ext)xyz frames before a compressed file breaks off: the index of the frame the
+    file ends in (0 for other formats)."""
+    from ase.io.formats import filetype, open_with_compression
+
+    try:
+        if filetype(str(path), read=False) not in ("xyz", "extxyz"):
+            return 0
+    except Exception:  # no format known from the name
+        return 0
+    frames = 0
+    try:
+        with open_with_compression(str(path), "r") as f:
+            for header in f:
+                atoms = int(header)
+                for _ in range(atoms + 1):  # the comment line and one line per atom
+                    if not next(f).endswith("\n"):
+                        return frames
+                frames += 1
+    except (EOFError, ValueError, StopIteration, OSError):
+        pass
     return frames
 
 
@@ -67,29 +115,65 @@ def check_frame(atoms, where: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def frame_energy(atoms, key: str, where: str) -> float:
-    """``atoms.info[key]``, else the calculator's result ``key``; StoreError if neither."""
+    """``atoms.info[key]``, else the calculator's result ``key``; StoreError if neither, or
+    if it is not one finite number."""
     value = atoms.info.get(key)
     if value is None and atoms.calc is not None:
         value = atoms.calc.results.get(key)
     if value is None:
-        raise StoreError(f"{where}: no energy {key!r} in atoms.info or the attached calculator")
-    value = float(np.asarray(value).reshape(-1)[0])
+        raise StoreError(
+            f"{where}: no energy {key!r} in atoms.info or the attached calculator (this frame "
+            f"has: {', '.join(frame_keys(atoms)) or 'nothing'})"
+        )
+    try:
+        value = float(np.asarray(value, dtype=np.float64).reshape(-1)[0])
+    except (ValueError, TypeError, IndexError):
+        raise StoreError(f"{where}: energy {key!r} is not a number ({value!r})") from None
     if not np.isfinite(value):
         raise StoreError(f"{where}: energy {key!r} is not finite ({value})")
     return value
 
 
+def frame_keys(atoms) -> list[str]:
+    """Names of the per-frame values of a frame: ``atoms.info`` and calculator results."""
+    results = atoms.calc.results if atoms.calc is not None else {}
+    return sorted(set(atoms.info) | set(results))
+
+
+def check_energy_key(frames: list, key: str, path: str | Path) -> None:
+    """StoreError listing the keys present when no frame of ``path`` has ``key``."""
+    if any(
+        key in atoms.info or (atoms.calc is not None and key in atoms.calc.results)
+        for atoms in frames
+    ):
+        return
+    present = sorted({name for atoms in frames for name in frame_keys(atoms)})
+    raise StoreError(
+        f"{path}: no frame has the energy key {key!r}; keys present: "
+        f"{', '.join(present) or 'none'}. Set data.energy_key to one of them"
+    )
+
+
 def frame_forces(atoms, key: str, where: str) -> np.ndarray | None:
     """``atoms.arrays[key]``, else the calculator's result ``key``, as float32 [n, 3]; None
-    when the frame has none."""
+    when the frame has none; StoreError for another shape or a non-finite value."""
     value = atoms.arrays.get(key)
     if value is None and atoms.calc is not None:
         value = atoms.calc.results.get(key)
     if value is None:
         return None
-    forces = np.asarray(value, dtype=np.float64)
-    if forces.shape != (len(atoms), 3) or not np.isfinite(forces).all():
-        raise StoreError(f"{where}: forces {key!r} must be finite [{len(atoms)}, 3]")
+    try:
+        forces = np.asarray(value, dtype=np.float64)
+    except (ValueError, TypeError):
+        raise StoreError(f"{where}: forces {key!r} are not numbers") from None
+    if forces.shape != (len(atoms), 3):
+        raise StoreError(
+            f"{where}: forces {key!r} have shape {list(forces.shape)}, expected "
+            f"[{len(atoms)}, 3] (atoms, xyz)"
+        )
+    if not np.isfinite(forces).all():
+        atom = int(np.flatnonzero(~np.isfinite(forces).all(axis=1))[0])
+        raise StoreError(f"{where}: non-finite (NaN/inf) forces {key!r} on atom {atom}")
     return forces.astype(np.float32)
 
 
@@ -108,6 +192,7 @@ def import_ase(
     missing_forces: str | None = None
     for path in files:
         frames = read_frames(path)
+        check_energy_key(frames, energy_key, path)
         counts.append(len(frames))
         for i, atoms in enumerate(tqdm(frames, desc=f"import {path}", disable=not progress)):
             where = f"{path}, frame {i}"

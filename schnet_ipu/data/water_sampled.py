@@ -75,15 +75,21 @@ def size_counts(
     """
     lo, hi = int(sizes[0]), int(sizes[1])
     if clusters < 1 or not 1 <= lo <= hi:
-        raise ValueError(f"need clusters >= 1 and 1 <= min <= max sizes, got {clusters}, {sizes}")
+        raise StoreError(
+            f"water: need clusters >= 1 and 1 <= min <= max sizes (--clusters, --sizes; "
+            f"data.water_clusters, data.water_sizes), got {clusters}, {list(sizes)}"
+        )
     if distribution == "uniform":
         weights = {w: 1.0 for w in range(lo, hi + 1)}
     elif distribution == "hydronet":
         weights = {w: p for w, p in hydronet_weights().items() if lo <= w <= hi}
         if not weights:
-            raise ValueError(f"HydroNet has clusters of 3..30 waters, none in {lo}..{hi}")
+            raise StoreError(
+                f"water: HydroNet has clusters of 3..30 waters, none in {lo}..{hi}; choose "
+                "sizes within 3..30 or the uniform distribution"
+            )
     else:
-        raise ValueError(f"unknown water size distribution {distribution!r} (uniform, hydronet)")
+        raise StoreError(f"water: unknown size distribution {distribution!r} (uniform, hydronet)")
     share = np.array(list(weights.values())) / sum(weights.values()) * clusters
     counts = np.floor(share).astype(np.int64)
     counts[np.argsort(counts - share)[: clusters - counts.sum()]] += 1
@@ -205,6 +211,11 @@ def generate_water_sampled(
     ``workers`` > 0 samples chunks in that many processes (the store is the same). Ids are
     0..M-1 in store order (by size, then as sampled). Target ``energy`` in kcal/mol.
     """
+    if templates < 1 or workers < 0:  # before the writer makes its partial file
+        raise StoreError(
+            f"{out}: need templates >= 1 and workers >= 0 (--templates, data.water_templates), "
+            f"got {templates}, {workers}"
+        )
     counts = size_counts(clusters, sizes, distribution)
     num_atoms = np.concatenate([np.full(c, 3 * w, dtype=np.int64) for w, c in counts.items()])
     params = {

@@ -10,7 +10,9 @@ The datasets are preallocated from the known atom counts (``num_atoms`` [M]) in 
 each chunk the file is flushed and its ``written_molecules`` attribute advanced, so a killed
 or disk-full run leaves a partial file that a new writer with the same ``key`` resumes, and
 that :class:`MoleculeStore` refuses (``complete`` is False). Only ``finish`` renames it to
-the store path.
+the store path. A chunk with a bad record (unknown element, non-finite value) is refused
+before anything of it is written, and closing the writer unfinished then deletes the partial
+file: bad input leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ class StoreWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self._resume() or self._create(descriptions or {}, attrs or {})
         self.written = int(self._file.attrs["written_molecules"])
+        self.refused = False  # a chunk with a bad record was refused
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -164,6 +167,7 @@ class StoreWriter:
                 raise StoreError(f"{where}: target {name!r} has shape {v.shape}, not [{len(ids)}]")
         bad = invalid_records(z, pos, self.offsets[first : stop + 1] - lo, values)
         if bad:
+            self.refused = True
             m = min(bad)
             raise StoreError(f"{self.path}: record {int(ids[m])} (molecule {first + m}) {bad[m]}")
         f = self._file
@@ -192,6 +196,9 @@ class StoreWriter:
         return self.path
 
     def close(self) -> None:
-        """Close the partial file (kept for resuming)."""
+        """Close the partial file: kept for resuming, unless a chunk was refused as bad input
+        (a resume would meet the same record again), then deleted: bad input leaves nothing."""
         if self._file.id.valid:
             self._file.close()
+        if self.refused:
+            self.tmp.unlink(missing_ok=True)

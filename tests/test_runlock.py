@@ -1,0 +1,222 @@
+"""One writer per run folder: a second run on a held folder is refused with one line naming
+the holder; a lock whose holder was SIGKILLed is taken over with a warning."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from schnet_ipu.data import write_store
+from schnet_ipu.errors import run_cli
+from schnet_ipu.runlock import RunLockError, hold_run_lock, lock_path, read_holder
+from schnet_ipu.runlog import read_records
+
+ROOT = Path(__file__).resolve().parents[1]
+EPOCHS = 3
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> Path:
+    rng = np.random.default_rng(5)
+    sizes = rng.integers(3, 8, size=96)
+    z = [rng.choice([1, 6, 7, 8], size=n) for n in sizes]
+    pos = [np.cumsum(rng.normal(0, 0.7, size=(n, 3)), axis=0) for n in sizes]
+    energy = -10.0 * sizes + rng.normal(0, 0.1, size=len(sizes))
+    return write_store(
+        tmp_path_factory.mktemp("lock") / "store.h5", z, pos, {"U0": energy}, {"U0": "eV"}
+    )
+
+
+def train_argv(store: Path, run_dir: Path, epochs: int = EPOCHS) -> list[str]:
+    return [
+        sys.executable,
+        str(ROOT / "train.py"),
+        f"data.path={store}",
+        "data.val=16",
+        "data.test=16",
+        "model.hidden_channels=8",
+        "model.num_filters=8",
+        "model.num_interactions=1",
+        "model.num_gaussians=4",
+        "packing.packs_per_batch=2",
+        f"optim.epochs={epochs}",
+        "optim.schedule=constant",
+        "loader.workers=0",
+        "backend.threads=1",
+        "backend.device=cpu",
+        "logging.progress=false",
+        "logging.plot=false",
+        f"logging.run_dir={run_dir}",
+    ]
+
+
+def start(argv: list[str]) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen(
+        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def wait_for(condition, proc: subprocess.Popen, what: str, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert proc.poll() is None, (
+            f"exited ({proc.returncode}) before {what}: {proc.stderr.read()}"
+        )
+        assert time.monotonic() < deadline, f"no {what} after {timeout_s} s"
+        time.sleep(0.05)
+
+
+def epochs_once(run_dir: Path) -> list[int]:
+    """The epochs of metrics.jsonl; also checks one final record and whole lines."""
+    assert (run_dir / "metrics.jsonl").read_text().endswith("\n")
+    assert len(read_records(run_dir / "metrics.jsonl", "final")) == 1
+    return [r["epoch"] for r in read_records(run_dir / "metrics.jsonl", "epoch")]
+
+
+def test_a_second_run_on_a_held_folder_is_refused(store, tmp_path):
+    run_dir = tmp_path / "run"
+    first = start(train_argv(store, run_dir))
+    lock = lock_path(run_dir)
+    wait_for(lambda: read_holder(lock) is not None, first, "the first run's lock")
+    began = time.perf_counter()
+    second = subprocess.run(
+        train_argv(store, run_dir), env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    refused_after = time.perf_counter() - began
+    still_running = first.poll() is None
+    out, err = first.communicate(timeout=600)
+    assert first.returncode == 0, err
+    assert second.returncode == 2, second.stderr
+    lines = [line for line in second.stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and "Traceback" not in second.stderr, second.stderr
+    assert (
+        str(run_dir) in lines[0] and f"pid {first.pid} on host {socket.gethostname()}" in lines[0]
+    )
+    assert still_running, "the second run waited for the first instead of refusing"
+    print(f"second run refused {refused_after:.2f} s after it started (process start to exit)")
+    assert epochs_once(run_dir) == list(range(EPOCHS))
+    assert not lock.exists()  # released and removed by the first run's clean exit
+    assert json.loads(out[out.index("{") :])["test_mae"] > 0
+
+
+@pytest.mark.slow  # ~25 s: two trainings; test_stale_lock_taken_over_with_a_warning is quick
+def test_the_lock_of_a_sigkilled_run_is_taken_over(store, tmp_path):
+    """SIGKILL after the first checkpoint: the lock file stays with the dead pid, the next
+    start warns, takes it over, resumes, and ends with every epoch once."""
+    run_dir = tmp_path / "run"
+    killed = start(train_argv(store, run_dir))
+    wait_for((run_dir / "checkpoints/last.pt").exists, killed, "a first checkpoint")
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    assert read_holder(lock_path(run_dir))["pid"] == killed.pid
+    again = subprocess.run(
+        train_argv(store, run_dir), env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert again.returncode == 0, again.stderr
+    assert f"taking over the lock of pid {killed.pid}" in again.stderr
+    assert "resuming" in again.stderr
+    assert epochs_once(run_dir) == list(range(EPOCHS))
+    assert not lock_path(run_dir).exists()
+
+
+HOLD = """
+import sys, time
+from pathlib import Path
+from schnet_ipu.runlock import hold_run_lock
+with hold_run_lock(Path(sys.argv[1])):
+    print("held", flush=True)
+    time.sleep(600)
+"""
+
+
+def hold_elsewhere(run_dir: Path) -> subprocess.Popen:
+    """Another process holding the lock of ``run_dir`` until it is killed."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(run_dir)], env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_held_elsewhere_refused_as_one_line_nothing_written(tmp_path, capsys):
+    run_dir = tmp_path / "deep/run"
+    other = hold_elsewhere(run_dir)
+    try:
+        before = sorted(tmp_path.rglob("*"))
+        with pytest.raises(RunLockError, match=f"pid {other.pid} on host"), hold_run_lock(run_dir):
+            pytest.fail("entered a held lock")
+
+        def body() -> None:
+            with hold_run_lock(tmp_path / "deep/../deep/run"):  # another spelling, one lock
+                pass
+
+        assert run_cli(body) == 2
+        assert capsys.readouterr().err.count("\n") == 1
+        assert sorted(tmp_path.rglob("*")) == before
+    finally:
+        other.kill()
+        other.wait()
+    assert read_holder(lock_path(run_dir))["pid"] == other.pid  # left by a SIGKILL: stale
+
+
+def test_stale_lock_taken_over_with_a_warning(tmp_path, caplog):
+    run_dir = tmp_path / "run"
+    other = hold_elsewhere(run_dir)
+    other.kill()
+    other.wait()
+    with hold_run_lock(run_dir):
+        assert read_holder(lock_path(run_dir))["pid"] == os.getpid()
+    assert f"taking over the lock of pid {other.pid}" in caplog.text
+    assert not lock_path(run_dir).exists()
+
+
+def test_nested_holds_share_one_lock_and_other_ranks_hold_none(tmp_path):
+    run_dir = tmp_path / "a/b/run"
+    with hold_run_lock(run_dir, holder=False):
+        assert not lock_path(run_dir).exists()
+    with hold_run_lock(run_dir):
+        with hold_run_lock(run_dir):  # train.py around training.train
+            pass
+        # the inner exit must not have dropped the lock: another process is refused
+        probe = subprocess.run(
+            [sys.executable, "-c", HOLD, str(run_dir)], env={**os.environ, "PYTHONPATH": str(ROOT)},
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert probe.returncode != 0 and f"pid {os.getpid()}" in probe.stderr
+    assert not lock_path(run_dir).exists() and not (tmp_path / "a").exists()
+
+
+def test_evaluate_and_predict_into_a_held_folder_are_refused(tmp_path, capsys):
+    """They write pictures / predictions into the run folder; predict --out elsewhere only
+    reads the run and goes on (here to a missing checkpoint)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_cli", ROOT / "train.py")
+    train_cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_cli)
+    run_dir = tmp_path / "run"
+    other = hold_elsewhere(run_dir)
+    try:
+        for command in ("evaluate", "predict"):
+            assert train_cli.main([command, "--run", str(run_dir)]) == 2
+            assert f"pid {other.pid}" in capsys.readouterr().err, command
+        elsewhere = ["predict", "--run", str(run_dir), "--out", str(tmp_path / "p.csv")]
+        assert train_cli.main(elsewhere) == 2
+        err = capsys.readouterr().err
+        assert "no such model file or run folder" in err and "in use" not in err, err
+    finally:
+        other.kill()
+        other.wait()
