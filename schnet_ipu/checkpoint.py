@@ -27,7 +27,13 @@ from schnet_ipu.errors import CheckpointError
 from schnet_ipu.runlog import append_whole, write_failed
 
 # Keys that may change between an interrupted run and its resume without changing results.
-RESUMABLE_CHANGES = ("optim.epochs", "logging.", "loader.workers", "loader.prefetch")
+RESUMABLE_CHANGES = (
+    "optim.epochs",
+    "optim.max_minutes",  # a budget may be extended
+    "logging.",
+    "loader.workers",
+    "loader.prefetch",
+)
 
 # What every checkpoint of this program holds (see the training loop's ``checkpoint``).
 CHECKPOINT_KEYS = ("model", "optimizer", "scheduler", "rng", "epoch", "call", "best_mae", "config")

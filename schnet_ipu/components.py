@@ -18,6 +18,7 @@ import torch
 
 from schnet_ipu.backends import Backend, TorchBackend, make_backend, select_device
 from schnet_ipu.backends.distributed import ReplicaInfo
+from schnet_ipu.budget import Budget
 from schnet_ipu.config import Config, ConfigError, config_from_dict
 from schnet_ipu.errors import CheckpointError
 from schnet_ipu.model import SchNet
@@ -114,8 +115,14 @@ def make_optimizer(cfg: Config, model: torch.nn.Module, device: str) -> torch.op
     )
 
 
-def make_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, steps_per_epoch: int):
-    """plateau: decay on validation MAE per epoch; cosine: warmup then cosine per step."""
+def make_scheduler(
+    cfg: Config,
+    optimizer: torch.optim.Optimizer,
+    steps_per_epoch: int,
+    budget: Budget | None = None,
+):
+    """plateau: decay on validation MAE per epoch; cosine: warmup (steps) then cosine over
+    the epochs' steps, or over the budget's time when ``optim.max_minutes`` is set."""
     oc = cfg.optim
     if oc.schedule == "plateau":
         return torch.optim.lr_scheduler.ReduceLROnPlateau(
@@ -129,7 +136,10 @@ def make_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, steps_per_epoc
             return 1.0
         if step < oc.warmup_steps:
             return (step + 1) / oc.warmup_steps
-        progress = min((step - oc.warmup_steps) / max(total - oc.warmup_steps, 1), 1.0)
+        if budget is not None and budget.total > 0:
+            progress = budget.fraction()
+        else:
+            progress = min((step - oc.warmup_steps) / max(total - oc.warmup_steps, 1), 1.0)
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -106,6 +106,8 @@ class OptimConfig:
     grad_clip: float = 10.0  # max gradient norm; 0 = off
     weight_decay: float = 0.0
     forces_weight: float = 0.0  # weight of the standardised force loss; 0 = energies only
+    max_minutes: float = 0.0  # wall-clock budget of the training loop; 0 = off (epochs only)
+    ema_decay: float = 0.0  # average of the weights for validation, test and model files; 0 = off
 
 
 @dataclass
@@ -203,6 +205,8 @@ NON_NEGATIVE = (
     "optim.grad_clip",
     "optim.weight_decay",
     "optim.forces_weight",
+    "optim.max_minutes",
+    "optim.ema_decay",
     "backend.threads",
 )
 
@@ -285,6 +289,8 @@ def validate(cfg: Config) -> None:
     lo_hi = cfg.data.water_sizes
     if len(lo_hi) != 2 or not 1 <= lo_hi[0] <= lo_hi[1]:
         raise ConfigError(f"data.water_sizes must be [min, max] with 1 <= min <= max, got {lo_hi}")
+    if not 0 <= cfg.optim.ema_decay < 1:
+        raise ConfigError(f"optim.ema_decay must be in [0, 1) (0 = off), got {cfg.optim.ema_decay}")
     if not 0 < cfg.packing.target_efficiency <= 1:
         raise ConfigError("packing.target_efficiency must be in (0, 1]")
     fractions = [v for v in (cfg.data.val, cfg.data.test) if v < 1]

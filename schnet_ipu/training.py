@@ -39,6 +39,7 @@ from schnet_ipu.backends.distributed import (
     replicas_in_call,
     shutdown_replica,
 )
+from schnet_ipu.budget import Budget, WeightAverage
 from schnet_ipu.checkpoint import (
     check_same_run,
     load_checkpoint,
@@ -106,11 +107,16 @@ def run(cfg: Config, fresh: bool = False) -> None:
     pin, rank, world = device.startswith("cuda"), replica.rank, replica.world_size
     train_loader = make_loader(cfg, data, "train", rank, world, pin, in_call, device)
     val_loader = make_loader(cfg, data, "val", rank, world, pin, 1, device)
-    scheduler = make_scheduler(cfg, optimizer, len(train_loader) * cfg.backend.device_iterations)
+    budget = Budget(cfg.optim.max_minutes, float(resume.get("budget_seconds", 0)) if resume else 0)
+    steps = len(train_loader) * cfg.backend.device_iterations
+    scheduler = make_scheduler(cfg, optimizer, steps, budget)
+    average = WeightAverage(model, cfg.optim.ema_decay) if cfg.optim.ema_decay else None
     progress = Progress()
     if resume is not None:
         with restoring(last_path):
-            model.load_state_dict(resume["model"])
+            model.load_state_dict(resume.get("train_model", resume["model"]))
+            if average is not None:
+                average.load(resume["model"], resume["ema"])
             optimizer.load_state_dict(resume["optimizer"])
             scheduler.load_state_dict(resume["scheduler"])
             set_rng_state(resume["rng"])
@@ -128,7 +134,8 @@ def run(cfg: Config, fresh: bool = False) -> None:
         if not all(torch.isfinite(p).all() for p in model.parameters()):
             raise TrainingError(f"non-finite weights at epoch {progress.epoch}; {path} not written")
         state = {
-            "model": model.state_dict(),
+            # what evaluation and model files use: the average of the weights when kept
+            "model": model.state_dict() if average is None else average.averaged_state_dict(),
             "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(),
             "rng": rng_state(),
@@ -137,7 +144,10 @@ def run(cfg: Config, fresh: bool = False) -> None:
             "best_mae": progress.best_mae,
             "config": cfg.to_dict(),
             "model_spec": spec,
+            "budget_seconds": budget.seconds,
         }
+        if average is not None:  # the weights training goes on from, for an exact resume
+            state.update(train_model=model.state_dict(), ema=average.state())
         save_checkpoint(path, state)
 
     stop = StopFlag()
@@ -145,31 +155,34 @@ def run(cfg: Config, fresh: bool = False) -> None:
     # inside the training loop it stops at the next host call, later at the epoch's end
     with ctrl_c_requests_stop(stop):
         for epoch in range(progress.epoch, cfg.optim.epochs):
+            if budget.exhausted():
+                break
             first_call = progress.call if epoch == progress.epoch else 0
             stats = train_epoch(
-                cfg,
-                backend,
-                task,
-                scheduler,
-                train_loader,
-                epoch,
-                first_call,
-                runlog,
-                replica,
-                stop,
-            )
+                cfg, backend, task, scheduler, train_loader, epoch, first_call, runlog, replica,
+                stop, budget, average,
+            )  # fmt: skip
             if stop.requested:
                 progress.epoch, progress.call = epoch, stats["calls"]
                 checkpoint(last_path)
                 log.info("interrupted: saved %s at epoch %d; re-run to resume", last_path, epoch)
                 raise SystemExit(130)
-            val = evaluate(task, backend, val_loader, "val", replica.world_size)
+            with averaged(average, backend):
+                val = evaluate(task, backend, val_loader, "val", replica.world_size)
             if cfg.optim.schedule == "plateau":
                 scheduler.step(val["mae"])
                 backend.optimizer_changed()
             improved = val["mae"] < progress.best_mae
-            progress = Progress(epoch + 1, 0, min(progress.best_mae, val["mae"]))
+            best_mae = min(progress.best_mae, val["mae"])
+            calls = stats["calls"]  # fewer than the epoch's when the budget ended it
+            whole = calls == len(train_loader)
+            progress = (
+                Progress(epoch + 1, 0, best_mae) if whole else Progress(epoch, calls, best_mae)
+            )
             if runlog is not None:
+                stats.update(
+                    budget_seconds=budget.seconds, epoch_fraction=calls / len(train_loader)
+                )
                 write_epoch(runlog, epoch, stats, val, optimizer, task, data.unit)
             # the record is on disk before a checkpoint claims the epoch, and best.pt before
             # last.pt, so a crash between any two writes loses nothing on resume
@@ -179,6 +192,9 @@ def run(cfg: Config, fresh: bool = False) -> None:
             if stop.requested:
                 log.info("interrupted: saved %s after epoch %d; re-run to resume", last_path, epoch)
                 raise SystemExit(130)
+            if budget.exhausted():
+                log.info("budget of %.1f min spent in epoch %d", budget.total / 60, epoch)
+                break
 
     if runlog is not None:  # rank 0 wrote best.pt; the others get its weights through the group
         model.load_state_dict(load_checkpoint(best_path)["model"])
@@ -199,6 +215,7 @@ def run(cfg: Config, fresh: bool = False) -> None:
             test_molecules=test["molecules"],
             recompilations=backend.recompilations,
             cuda_graph_captures=backend.graph_captures,  # > 1: a re-capture
+            budget_seconds=budget.seconds,
             wall_seconds=time.perf_counter() - wall_start,
         )
         log.info(
@@ -273,6 +290,8 @@ def write_epoch(
         train_loss=stats["loss"],
         **{f"val_{k}": v for k, v in val.items() if k != "molecules"},
         lr=float(optimizer.param_groups[0]["lr"]),
+        budget_seconds=stats["budget_seconds"],
+        epoch_fraction=stats["epoch_fraction"],
         molecules_per_s=stats["molecules_per_s"],
         data_seconds=stats["data_seconds"],
         step_seconds=stats["step_seconds"],
@@ -302,8 +321,11 @@ def train_epoch(
     runlog: RunLog | None,
     replica: ReplicaInfo,
     stop: StopFlag,
+    budget: Budget,
+    average: WeightAverage | None,
 ) -> dict:
-    """One epoch of host calls; returns its mean loss, throughput and time split.
+    """One epoch of host calls (until the epoch, the ``budget`` or a stop request ends);
+    returns its mean loss, throughput and time split. ``average`` follows every call.
 
     The step losses stay on the device: they are read (one synchronisation) every
     ``logging.log_every`` host calls and at the end of the epoch, and checked then.
@@ -322,8 +344,9 @@ def train_epoch(
     )
     batches = iter(loader.epoch(epoch, first_call))
     task.reset()
+    budget.start()
     epoch_start = time.perf_counter()
-    while not stop.requested:
+    while not stop.requested and not budget.exhausted():
         tick = time.perf_counter()
         micro_batches = next(batches, None)
         if micro_batches is None:
@@ -339,6 +362,8 @@ def train_epoch(
             pending.append(record["loss"])
             molecules += record["molecules"]
         backend.optimizer_changed()  # the device gets the new lr, once per host call
+        if average is not None:
+            average.update()
         calls += 1
         step = (epoch * len(loader) + calls) * steps_per_call  # steps done so far
         bar.update(1)
@@ -391,6 +416,18 @@ def read_losses(pending: list, epoch: int, end_step: int) -> list[float]:
                 "or set optim.grad_clip."
             )
     return values
+
+
+@contextmanager
+def averaged(average: WeightAverage | None, backend: Backend):
+    """The averaged weights in the model (and on the device) inside the block."""
+    if average is None:
+        yield
+        return
+    with average.swapped_in():
+        backend.after_host_weight_load()
+        yield
+    backend.after_host_weight_load()
 
 
 @dataclass

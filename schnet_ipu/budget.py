@@ -1,0 +1,111 @@
+"""Minutes into accuracy: a wall-clock budget for training, and an average of the weights.
+
+    budget = Budget(minutes=cfg.optim.max_minutes, spent=checkpoint_seconds)
+    budget.start()                 # at the first host call of this process
+    budget.fraction()              # 0..1: what the learning-rate schedule follows
+    budget.exhausted()             # the loop stops, validates, saves and tests
+    average = WeightAverage(model, decay=cfg.optim.ema_decay)
+    average.update()               # after every host call
+    with average.swapped_in():     # validation, test and checkpoints' "model" use it
+        ...
+
+The budget counts the seconds of the training loop in every process of a run: steps (with
+the first step's compilation), validation and checkpoint writes; the seconds of earlier
+processes come back from the checkpoint, so a resumed run ends at the same total. Data
+preparation and the final test are not counted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+
+class Budget:
+    """``minutes`` of training loop (0: no budget), ``spent`` seconds of them already."""
+
+    def __init__(self, minutes: float, spent: float = 0.0) -> None:
+        self.total = 60.0 * minutes
+        self.spent = spent
+        self._since: float | None = None
+
+    def start(self) -> None:
+        if self._since is None:
+            self._since = time.perf_counter()
+
+    @property
+    def seconds(self) -> float:
+        """Seconds counted so far, earlier processes of the run included."""
+        running = 0.0 if self._since is None else time.perf_counter() - self._since
+        return self.spent + running
+
+    def fraction(self) -> float:
+        """Share of the budget used, 0 without a budget."""
+        return min(self.seconds / self.total, 1.0) if self.total > 0 else 0.0
+
+    def exhausted(self) -> bool:
+        return self.total > 0 and self.seconds >= self.total
+
+
+class WeightAverage:
+    """Exponential moving average of a model's parameters (as MACE and NequIP keep one).
+
+    Each :meth:`update` moves the average towards the weights by ``1 - d`` with
+    ``d = min(decay, (1 + n) / (10 + n))`` after n updates (TensorFlow's
+    ``ExponentialMovingAverage`` with ``num_updates``), so the first averages follow the
+    weights instead of their initial values. Called once per host call: with
+    ``backend.device_iterations`` D > 1 it sees every D-th step's weights.
+    """
+
+    def __init__(self, model: nn.Module, decay: float) -> None:
+        self.model = model
+        self.decay = decay
+        self.updates = 0
+        self.shadow = {
+            name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad
+        }
+
+    def _parameters(self) -> dict[str, Tensor]:
+        return {name: p for name, p in self.model.named_parameters() if name in self.shadow}
+
+    @torch.no_grad()
+    def update(self) -> None:
+        self.updates += 1
+        weight = 1.0 - min(self.decay, (1 + self.updates) / (10 + self.updates))
+        for name, p in self._parameters().items():
+            self.shadow[name].lerp_(p.detach(), weight)
+
+    @contextmanager
+    def swapped_in(self) -> Iterator[None]:
+        """The model holds the averaged weights inside the block, its own after it."""
+        params = self._parameters()
+        raw = {name: p.detach().clone() for name, p in params.items()}
+        with torch.no_grad():
+            for name, p in params.items():
+                p.copy_(self.shadow[name])
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for name, p in params.items():
+                    p.copy_(raw[name])
+
+    def averaged_state_dict(self) -> dict[str, Tensor]:
+        """The model's state dict with the averaged parameters (what a model file holds)."""
+        state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        state.update({k: v.clone() for k, v in self.shadow.items()})
+        return state
+
+    def state(self) -> dict[str, Any]:
+        return {"decay": self.decay, "updates": self.updates}
+
+    def load(self, averaged: dict[str, Tensor], state: dict[str, Any]) -> None:
+        """Restore from a checkpoint's averaged ``model`` state dict and :meth:`state`."""
+        for name in self.shadow:
+            self.shadow[name].copy_(averaged[name])
+        self.updates = int(state["updates"])

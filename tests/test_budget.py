@@ -1,0 +1,144 @@
+"""Training for a wall-clock budget (optim.max_minutes) and with an average of the weights
+(optim.ema_decay): where runs stop, what resumes, which weights are evaluated and saved."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from schnet_ipu import training
+from schnet_ipu.budget import WeightAverage
+from schnet_ipu.config import ConfigError, load_config
+from schnet_ipu.data import import_qm9
+from schnet_ipu.evaluation import evaluate_run
+from schnet_ipu.runlog import read_records
+from schnet_ipu.training import train
+
+pytestmark = pytest.mark.usefixtures("restore_threads")
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("qm9") / "qm9_300.h5"
+    import_qm9(path, limit=300, progress=False)
+    return path
+
+
+def tiny(store: Path, run_dir: Path, *extra: str):
+    return load_config(
+        None,
+        [
+            f"data.path={store}",
+            "data.val=40",
+            "data.test=40",
+            "model.hidden_channels=16",
+            "model.num_filters=16",
+            "model.num_interactions=1",
+            "model.num_gaussians=8",
+            "packing.packs_per_batch=2",
+            "optim.schedule=cosine",
+            "loader.workers=0",
+            "backend.threads=1",
+            "backend.device=cpu",
+            "logging.progress=false",
+            "logging.plot=false",
+            f"logging.run_dir={run_dir}",
+            *extra,
+        ],
+    )
+
+
+def test_budget_stops_the_run_and_a_resume_keeps_the_total(store, tmp_path, monkeypatch):
+    """A 6 s budget with 10,000 epochs allowed: the run stops once 6 s of training loop are
+    counted, validates, saves and tests. Killed after its first checkpoint and re-run, the
+    run ends at the same counted total, every epoch record once."""
+    budget = 0.1  # minutes
+    whole = train(
+        tiny(store, tmp_path / "whole", f"optim.max_minutes={budget}", "optim.epochs=10000")
+    )
+    epochs = read_records(tmp_path / "whole/metrics.jsonl", "epoch")
+    assert 1 <= len(epochs) < 10000
+    assert 60 * budget <= whole["budget_seconds"] < 60 * budget + 5  # + one call and validation
+    assert epochs[-1]["epoch_fraction"] <= 1 and whole["test_molecules"] == 40
+    lrs = [r["lr"] for r in epochs]
+    assert len(lrs) >= 2 and lrs[-1] < 0.5 * lrs[0]  # the cosine follows the budget's time
+
+    class Killed(BaseException):
+        pass
+
+    save = training.save_checkpoint
+
+    def killed_after_first(path, state):
+        save(path, state)
+        if path.name == "last.pt":
+            raise Killed
+
+    run_dir = tmp_path / "killed"
+    monkeypatch.setattr(training, "save_checkpoint", killed_after_first)
+    with pytest.raises(Killed):
+        train(tiny(store, run_dir, f"optim.max_minutes={budget}", "optim.epochs=10000"))
+    monkeypatch.setattr(training, "save_checkpoint", save)
+    spent = torch.load(run_dir / "checkpoints/last.pt", weights_only=True)["budget_seconds"]
+    assert 0 < spent < 60 * budget
+    resumed = train(tiny(store, run_dir, f"optim.max_minutes={budget}", "optim.epochs=10000"))
+    assert 60 * budget <= resumed["budget_seconds"] < 60 * budget + 5
+    numbers = [r["epoch"] for r in read_records(run_dir / "metrics.jsonl", "epoch")]
+    assert numbers == sorted(set(numbers)) and numbers[0] == 0
+
+
+def test_average_of_the_weights_is_what_runs_evaluate_save_and_resume(store, tmp_path, monkeypatch):
+    ema = "optim.ema_decay=0.9"
+    final = train(tiny(store, tmp_path / "whole", ema, "optim.epochs=3"))
+    saved = torch.load(tmp_path / "whole/checkpoints/last.pt", weights_only=True)
+    assert saved["ema"]["updates"] > 0
+    differ = [
+        k
+        for k in saved["train_model"]
+        if not torch.equal(saved["model"][k], saved["train_model"][k])
+    ]
+    assert differ  # the model file holds the average, not the last weights
+    # the final test ran on best.pt's (averaged) weights, as evaluate does
+    assert evaluate_run(tmp_path / "whole", "test")["mae"] == pytest.approx(
+        final["test_mae"], rel=1e-6
+    )
+
+    class Killed(BaseException):
+        pass
+
+    save = training.save_checkpoint
+
+    def killed_after_first(path, state):
+        save(path, state)
+        if path.name == "last.pt":
+            raise Killed
+
+    monkeypatch.setattr(training, "save_checkpoint", killed_after_first)
+    with pytest.raises(Killed):
+        train(tiny(store, tmp_path / "resumed", ema, "optim.epochs=3"))
+    monkeypatch.setattr(training, "save_checkpoint", save)
+    train(tiny(store, tmp_path / "resumed", ema, "optim.epochs=3"))  # resumes after epoch 0
+    again = torch.load(tmp_path / "resumed/checkpoints/last.pt", weights_only=True)
+    for key in ("model", "train_model"):
+        for name, value in saved[key].items():
+            torch.testing.assert_close(again[key][name], value, rtol=0, atol=1e-6)
+    assert again["ema"] == saved["ema"]
+
+
+def test_average_follows_the_weights_from_the_start():
+    model = torch.nn.Linear(3, 2)
+    average = WeightAverage(model, decay=0.999)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    average.update()  # d = min(0.999, 2 / 11): mostly the new weights
+    expected = model.weight.detach() - 1.0 + (1 - 2 / 11) * 1.0
+    torch.testing.assert_close(average.shadow["weight"], expected)
+    with average.swapped_in():
+        torch.testing.assert_close(model.weight.detach(), expected)
+    torch.testing.assert_close(model.weight.detach(), expected - (1 - 2 / 11) + 1.0)
+
+
+def test_ema_decay_outside_0_1_is_refused():
+    with pytest.raises(ConfigError, match=r"optim\.ema_decay"):
+        load_config(None, ["optim.ema_decay=1.0"])
