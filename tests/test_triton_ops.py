@@ -1,0 +1,204 @@
+"""The ``triton`` op flavour: fused kernels against the torch flavour and a plain-torch table.
+
+The kernel tests (marker ``triton``, opt-in: ``pytest -m triton tests/test_triton_ops.py``)
+run on CUDA tensors where a GPU is present, else on CPU tensors under Triton's interpreter
+(``TRITON_INTERPRET=1``), which is slow: the batches are a few real QM9 packs with padding.
+They compare outputs and every gradient in float32 and float64.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from schnet_ipu.batch import Batch
+from schnet_ipu.bench.model import molecules_to_batch, pair_array, plan_packs
+from schnet_ipu.config import ConfigError
+from schnet_ipu.data import MoleculeStore
+from schnet_ipu.forces import energy_and_forces
+from schnet_ipu.model import SchNet
+from schnet_ipu.model.ops import get_ops, torch_ops, triton_ops
+from schnet_ipu.model.ops.common import edge_distance
+
+CUTOFF = 6.0
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+KNOTS = 37  # table knots: h = 1/6 A
+needs_triton = pytest.mark.skipif(not triton_ops.AVAILABLE, reason="triton is not installed")
+RTOL = {torch.float32: 1e-5, torch.float64: 1e-10}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def interpreter():
+    """Triton's interpreter for CPU tensors, set before the kernel module is first imported
+    (``triton.jit`` reads it then) and put back after this module."""
+    before = os.environ.get("TRITON_INTERPRET")
+    if DEVICE == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
+    yield
+    if before is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = before
+
+
+@pytest.fixture(scope="module")
+def qm9_batch(qm9_store) -> Batch:
+    """14 real QM9 molecules in packs of 48 atom slots / 5 molecule slots, with padding atoms,
+    padding pair slots and one empty pack, on ``DEVICE``."""
+    store = MoleculeStore(qm9_store)
+    molecules = [store.molecule(i) for i in range(100, 1400, 93)]
+    packs = plan_packs([len(z) for z, _ in molecules], 48, 5)
+    pairs = [len(pair_array(pos, CUTOFF)) for _, pos in molecules]
+    max_edges = 2 * max(sum(pairs[m] for m in pack) for pack in packs) + 24
+    return molecules_to_batch(molecules, [*packs, []], 48, 5, max_edges, CUTOFF).to(DEVICE)
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, name: str) -> None:
+    """Relative agreement, measured against the largest entry (sums of many terms cancel to
+    entries near zero, whose own relative error says nothing)."""
+    rtol = RTOL[want.dtype]
+    atol = rtol * want.abs().max().item()
+    torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=name)
+
+
+def pair_inputs(batch: Batch, dtype: torch.dtype, features: int = 24):
+    """x [N, F], the forward pairs' distances and mask [P], a smooth per-pair filter [P, F]
+    (zero on masked pairs, like the model's), all leaves; and the upstream gradient [N, F]."""
+    gen = torch.Generator().manual_seed(5)
+    pairs = batch.edge_index.shape[1] // 2
+    mask = batch.edge_mask[:pairs]
+    dist = edge_distance(batch.pos.to(dtype), batch.edge_index[:, :pairs], mask, CUTOFF)
+    width = torch.rand(features, generator=gen, dtype=dtype).to(DEVICE) + 0.5
+    filt = torch.exp(-dist.unsqueeze(1) * width) * torch.where(mask, 1.0, 0.0).unsqueeze(1)
+    x = torch.randn(batch.num_nodes, features, generator=gen, dtype=dtype).to(DEVICE)
+    grad = torch.randn(batch.num_nodes, features, generator=gen, dtype=dtype).to(DEVICE)
+    return x.requires_grad_(), dist.detach(), mask, filt.detach().requires_grad_(), grad
+
+
+def hermite_table_conv(x, edge_index, dist, edge_mask, values, slopes, cutoff):
+    """The contract's interpolation in plain torch (autograd gives every gradient)."""
+    knots = values.shape[0]
+    h = cutoff / (knots - 1)
+    s = dist / h
+    k = torch.clamp(torch.floor(s), 0, knots - 2)
+    t = (s - k).unsqueeze(1)
+    k = k.long()
+    filt = (
+        (2 * t**3 - 3 * t**2 + 1) * values[k]
+        + (t**3 - 2 * t**2 + t) * h * slopes[k]
+        + (-2 * t**3 + 3 * t**2) * values[k + 1]
+        + (t**3 - t**2) * h * slopes[k + 1]
+    ) * edge_mask.unsqueeze(1)
+    if filt.shape[0] < edge_index.shape[1]:
+        filt = torch.cat([filt, filt])
+    messages = x[edge_index[0]] * filt
+    return torch.zeros_like(x).index_add(0, edge_index[1], messages)
+
+
+@needs_triton
+@pytest.mark.triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_pair_symmetric_conv_equals_torch_flavour(qm9_batch, dtype):
+    x, _, _, filt, grad = pair_inputs(qm9_batch, dtype)
+    edge_index = qm9_batch.edge_index
+    got = triton_ops.pair_symmetric_conv(x, edge_index, filt)
+    want = torch_ops.pair_symmetric_conv(x, edge_index, filt)
+    assert want.abs().max() > 0.1  # real messages reach real atoms
+    assert_close(got, want, "out")
+    got_grads = torch.autograd.grad(got, (x, filt), grad)
+    want_grads = torch.autograd.grad(want, (x, filt), grad)
+    for name, a, b in zip(("x", "filt"), got_grads, want_grads):
+        assert_close(a, b, name)
+
+
+@needs_triton
+@pytest.mark.triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("storage", ["pairs", "edges"])
+def test_table_conv_equals_hermite_reference(qm9_batch, dtype, storage):
+    """Pair-symmetric storage (dist [E/2]) and one row per edge (dist [E]), with masked
+    edges; gradients in x, dist, values and slopes."""
+    x, dist, mask, _, grad = pair_inputs(qm9_batch, dtype)
+    edge_index = qm9_batch.edge_index
+    if storage == "edges":
+        dist, mask = torch.cat([dist, dist.flip(0)]), torch.cat([mask, mask.flip(0)])
+    assert not mask.all() and mask.any()
+    gen = torch.Generator().manual_seed(9)
+    values = torch.randn(KNOTS, x.shape[1], generator=gen, dtype=dtype).to(DEVICE)
+    slopes = torch.randn(KNOTS, x.shape[1], generator=gen, dtype=dtype).to(DEVICE)
+    leaves = (x, dist.requires_grad_(), values.requires_grad_(), slopes.requires_grad_())
+    args = (x, edge_index, dist, mask, values, slopes, CUTOFF)
+    got = triton_ops.table_conv(*args)
+    want = hermite_table_conv(*args)
+    assert_close(got, want, "out")
+    got_grads = torch.autograd.grad(got, leaves, grad)
+    want_grads = torch.autograd.grad(want, leaves, grad)
+    for name, a, b in zip(("x", "dist", "values", "slopes"), got_grads, want_grads):
+        assert_close(a, b, name)
+    assert (got_grads[1][~mask] == 0).all()  # masked edges: no force
+
+
+@needs_triton
+@pytest.mark.triton
+def test_model_equals_torch_flavour_with_forces(qm9_batch):
+    """SchNet with ops=triton and ops=torch, same weights, float64: predictions, forces
+    (dE/dpos through the kernels' backward) and every parameter's gradient of a loss on both
+    (a double backward, the force-training path)."""
+    results = []
+    for ops in ("torch", "triton"):
+        torch.manual_seed(4)
+        model = SchNet(hidden_channels=16, num_filters=16, num_interactions=2, graph="radius",
+                       ops=ops, mean=0.3, std=1.5).to(DEVICE, torch.float64)  # fmt: skip
+        batch = qm9_batch.to(DEVICE)
+        batch.pos = batch.pos.to(torch.float64)
+        energies, forces = energy_and_forces(model, batch, create_graph=True)
+        loss = energies.square().sum() + forces.square().sum()
+        loss.backward()
+        grads = {name: p.grad for name, p in model.named_parameters()}
+        results.append((energies.detach(), forces.detach(), grads))
+    (e_torch, f_torch, g_torch), (e_triton, f_triton, g_triton) = results
+    assert f_torch.abs().max() > 0
+    assert_close(e_triton, e_torch, "energies")
+    assert_close(f_triton, f_torch, "forces")
+    for name, grad in g_torch.items():
+        assert_close(g_triton[name], grad, name)
+
+
+def test_missing_triton_is_a_config_error(monkeypatch):
+    monkeypatch.setattr(triton_ops, "AVAILABLE", False)
+    with pytest.raises(ConfigError, match=r"model\.ops=torch"):
+        get_ops("triton")
+
+
+def test_cpu_tensors_without_interpreter_are_refused(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    x = torch.ones(3, 4)
+    edge_index = torch.tensor([[0, 1], [1, 0]])
+    with pytest.raises(ConfigError, match="CUDA tensors"):
+        triton_ops.pair_symmetric_conv(x, edge_index, torch.ones(1, 4))
+
+
+def test_table_conv_refuses_mismatched_rows():
+    x = torch.ones(3, 4)
+    edge_index = torch.tensor([[0, 1, 2], [1, 2, 0]])
+    dist, mask = torch.ones(2), torch.ones(2, dtype=torch.bool)
+    with pytest.raises(ValueError, match="need E or E/2"):
+        triton_ops.table_conv(x, edge_index, dist, mask, torch.ones(5, 4), torch.ones(5, 4), 6.0)
+
+
+def test_hermite_reference_reproduces_a_cubic():
+    """The test's own reference is right: cubic Hermite interpolation is exact for a cubic
+    given its values and derivatives at the knots."""
+    grid = torch.linspace(0.0, CUTOFF, KNOTS, dtype=torch.float64)
+    coefficients = torch.tensor([0.3, -1.2, 0.5, -0.04], dtype=torch.float64)
+    values = sum(c * grid**n for n, c in enumerate(coefficients)).unsqueeze(1)
+    slopes = sum(n * c * grid ** (n - 1) for n, c in enumerate(coefficients) if n).unsqueeze(1)
+    dist = torch.tensor([0.0, 0.05, 1.234, 3.0, 5.99, CUTOFF], dtype=torch.float64)
+    exact = sum(c * dist**n for n, c in enumerate(coefficients))
+    edge_index = torch.stack([torch.zeros(6, dtype=torch.long), torch.arange(6)])
+    x = torch.ones(6, 1, dtype=torch.float64)
+    mask = torch.ones(6, dtype=torch.bool)
+    out = hermite_table_conv(x, edge_index, dist, mask, values, slopes, CUTOFF)
+    torch.testing.assert_close(out[:, 0], exact, rtol=1e-12, atol=1e-12)
