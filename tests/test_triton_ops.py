@@ -2,13 +2,15 @@
 
 The kernel tests (marker ``triton``, opt-in: ``pytest -m triton tests/test_triton_ops.py``)
 run on CUDA tensors where a GPU is present, else on CPU tensors under Triton's interpreter
-(``TRITON_INTERPRET=1``), which is slow: the batches are a few real QM9 packs with padding.
+(``TRITON_INTERPRET=1``), which is slow: the batches are a few packs of real QM9 molecules or
+water clusters, with padding.
 They compare outputs and every gradient in float32 and float64.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +18,7 @@ import torch
 from schnet_ipu.batch import Batch
 from schnet_ipu.bench.model import molecules_to_batch, pair_array, plan_packs
 from schnet_ipu.config import ConfigError
-from schnet_ipu.data import MoleculeStore
+from schnet_ipu.data import MoleculeStore, generate_water
 from schnet_ipu.forces import energy_and_forces
 from schnet_ipu.model import SchNet
 from schnet_ipu.model.ops import get_ops, torch_ops, triton_ops
@@ -44,11 +46,21 @@ def interpreter():
 
 
 @pytest.fixture(scope="module")
-def qm9_batch(qm9_store) -> Batch:
-    """14 real QM9 molecules in packs of 48 atom slots / 5 molecule slots, with padding atoms,
-    padding pair slots and one empty pack, on ``DEVICE``."""
-    store = MoleculeStore(qm9_store)
-    molecules = [store.molecule(i) for i in range(100, 1400, 93)]
+def water_store(tmp_path_factory) -> Path:
+    """Eight relaxed TIP3P water clusters of 2-5 molecules."""
+    return generate_water(tmp_path_factory.mktemp("water") / "water.h5", 8, sizes=(2, 5))
+
+
+@pytest.fixture(scope="module", params=["qm9", "water"])
+def packed_batch(request, qm9_store, water_store) -> Batch:
+    """Real molecules (14 QM9 rows, or the 8 water clusters) in packs of 48 atom slots / 5
+    molecule slots, with padding atoms, padding pair slots and one empty pack, on ``DEVICE``."""
+    if request.param == "qm9":
+        store = MoleculeStore(qm9_store)
+        molecules = [store.molecule(i) for i in range(100, 1400, 93)]
+    else:
+        store = MoleculeStore(water_store)
+        molecules = [store.molecule(i) for i in range(len(store))]
     packs = plan_packs([len(z) for z, _ in molecules], 48, 5)
     pairs = [len(pair_array(pos, CUTOFF)) for _, pos in molecules]
     max_edges = 2 * max(sum(pairs[m] for m in pack) for pack in packs) + 24
@@ -100,9 +112,9 @@ def hermite_table_conv(x, edge_index, dist, edge_mask, values, slopes, cutoff):
 @needs_triton
 @pytest.mark.triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_pair_symmetric_conv_equals_torch_flavour(qm9_batch, dtype):
-    x, _, _, filt, grad = pair_inputs(qm9_batch, dtype)
-    edge_index = qm9_batch.edge_index
+def test_pair_symmetric_conv_equals_torch_flavour(packed_batch, dtype):
+    x, _, _, filt, grad = pair_inputs(packed_batch, dtype)
+    edge_index = packed_batch.edge_index
     got = triton_ops.pair_symmetric_conv(x, edge_index, filt)
     want = torch_ops.pair_symmetric_conv(x, edge_index, filt)
     assert want.abs().max() > 0.1  # real messages reach real atoms
@@ -117,11 +129,11 @@ def test_pair_symmetric_conv_equals_torch_flavour(qm9_batch, dtype):
 @pytest.mark.triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("storage", ["pairs", "edges"])
-def test_table_conv_equals_hermite_reference(qm9_batch, dtype, storage):
+def test_table_conv_equals_hermite_reference(packed_batch, dtype, storage):
     """Pair-symmetric storage (dist [E/2]) and one row per edge (dist [E]), with masked
     edges; gradients in x, dist, values and slopes."""
-    x, dist, mask, _, grad = pair_inputs(qm9_batch, dtype)
-    edge_index = qm9_batch.edge_index
+    x, dist, mask, _, grad = pair_inputs(packed_batch, dtype)
+    edge_index = packed_batch.edge_index
     if storage == "edges":
         dist, mask = torch.cat([dist, dist.flip(0)]), torch.cat([mask, mask.flip(0)])
     assert not mask.all() and mask.any()
@@ -142,7 +154,7 @@ def test_table_conv_equals_hermite_reference(qm9_batch, dtype, storage):
 
 @needs_triton
 @pytest.mark.triton
-def test_model_equals_torch_flavour_with_forces(qm9_batch):
+def test_model_equals_torch_flavour_with_forces(packed_batch):
     """SchNet with ops=triton and ops=torch, same weights, float64: predictions, forces
     (dE/dpos through the kernels' backward) and every parameter's gradient of a loss on both
     (a double backward, the force-training path)."""
@@ -151,7 +163,7 @@ def test_model_equals_torch_flavour_with_forces(qm9_batch):
         torch.manual_seed(4)
         model = SchNet(hidden_channels=16, num_filters=16, num_interactions=2, graph="radius",
                        ops=ops, mean=0.3, std=1.5).to(DEVICE, torch.float64)  # fmt: skip
-        batch = qm9_batch.to(DEVICE)
+        batch = packed_batch.to(DEVICE)
         batch.pos = batch.pos.to(torch.float64)
         energies, forces = energy_and_forces(model, batch, create_graph=True)
         loss = energies.square().sum() + forces.square().sum()

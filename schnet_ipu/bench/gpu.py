@@ -8,7 +8,8 @@ side in one process.
 The step variants (``VARIANTS``, tf32 with a CUDA graph per step): ``compiled``
 (``backend.compile=true``: inductor's forward + loss + backward inside the captured graph),
 ``fused`` (``model.ops=triton``: the Triton message-passing kernels) and ``table`` (the
-tabulated filter, ``model.filter=table``, read by the Triton kernels). ``--profile`` adds a
+tabulated filter, ``model.filter=table``, read by the Triton kernels) and ``compiled fused``
+(both: inductor around the kernels). ``--profile`` adds a
 torch profiler table of the top kernels per step of every variant of ours.
 
 Every variant trains the paper model (configs/qm9.yaml: 100 features, 4 interactions,
@@ -51,8 +52,9 @@ VARIANTS = {  # name -> config overrides
     "compiled": ["backend.compile=true"],
     "fused": ["model.ops=triton"],
     "table": ["model.ops=triton", "model.filter=table"],
+    "compiled fused": ["backend.compile=true", "model.ops=triton"],
 }
-CUDA_ONLY = ("fused", "table")  # the Triton kernels run on CUDA tensors only
+CUDA_ONLY = ("fused", "table", "compiled fused")  # the Triton kernels need CUDA tensors
 PROFILE_STEPS = 20
 PROFILE_ROWS = 15
 
