@@ -15,12 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from schnet_ipu.backends import TorchBackend
 from schnet_ipu.batch import Batch
 from schnet_ipu.bench.model import molecules_to_batch, pair_array, plan_packs
 from schnet_ipu.config import ConfigError
 from schnet_ipu.data import MoleculeStore, generate_water
 from schnet_ipu.forces import energy_and_forces
-from schnet_ipu.model import SchNet
+from schnet_ipu.model import SchNet, masked_mse
 from schnet_ipu.model.ops import get_ops, torch_ops, triton_ops
 from schnet_ipu.model.ops.common import edge_distance
 
@@ -176,6 +177,37 @@ def test_model_equals_torch_flavour_with_forces(packed_batch):
     assert_close(f_triton, f_torch, "forces")
     for name, grad in g_torch.items():
         assert_close(g_triton[name], grad, name)
+
+
+def schnet_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    return masked_mse(model(batch), batch.y + 1.0, batch.graph_mask, 1.0)
+
+
+@needs_triton
+@pytest.mark.triton
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("compile", [False, True])
+def test_captured_fused_step_trains_like_eager_torch_ops(packed_batch, compile):
+    """ops=triton inside the captured CUDA graph (with backend.compile: inductor around the
+    kernels) follows the eager torch-flavour step, captures once and never recompiles."""
+    runs = []
+    for ops, graphs, compiled in (("torch", False, False), ("triton", True, compile)):
+        torch.manual_seed(4)
+        model = SchNet(hidden_channels=16, num_filters=16, num_interactions=2, graph="radius",
+                       ops=ops)  # fmt: skip
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+        backend = TorchBackend(model, optimizer, schnet_loss, device="cuda",
+                               cuda_graphs=graphs, compile=compiled)  # fmt: skip
+        losses = [backend.train_call([packed_batch])[0]["loss"].item()]
+        graphs_after_first = backend.compiled_graphs
+        losses += [backend.train_call([packed_batch])[0]["loss"].item() for _ in range(4)]
+        assert backend.compiled_graphs == graphs_after_first
+        runs.append((backend, losses))
+    (eager, eager_losses), (fused, fused_losses) = runs
+    assert fused.graph_captures == 1
+    assert fused_losses == pytest.approx(eager_losses, rel=1e-4)
+    for got, want in zip(fused.model.parameters(), eager.model.parameters()):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
 
 
 def test_missing_triton_is_a_config_error(monkeypatch):

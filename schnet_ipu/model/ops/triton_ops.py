@@ -28,7 +28,11 @@ from schnet_ipu.config import ConfigError
 from schnet_ipu.model.ops.torch_ops import TorchOps, _pair_symmetric_conv_backward
 
 AVAILABLE = importlib.util.find_spec("triton") is not None
-BLOCK_ROWS = 32  # filter rows (pairs or edges) per program; every feature in one block
+# Filter rows (pairs or edges) per program, every feature in one block: a [16, 128] tile
+# (F = 100) is 16 values per thread and tensor at 4 warps; the table's backward holds about
+# nine such tiles. Untuned: a GPU sweep of BLOCK_ROWS x NUM_WARPS is still to be done.
+BLOCK_ROWS = 16
+NUM_WARPS = 4
 
 
 def _kernels(x: Tensor) -> ModuleType:
@@ -81,7 +85,7 @@ def _conv_forward(x: Tensor, edge_index: Tensor, rows: int, source: _FilterSourc
         x, edge_index[0], edge_index[1], *source.pointers(), out,
         rows, num_features, source.spacing, source.knots,
         TABLE=source.table, PAIRED=edge_index.shape[1] == 2 * rows,
-        BLOCK_E=BLOCK_ROWS, BLOCK_F=_block_features(num_features),
+        BLOCK_E=BLOCK_ROWS, BLOCK_F=_block_features(num_features), num_warps=NUM_WARPS,
     )  # fmt: skip
     return out
 
@@ -109,7 +113,7 @@ def _conv_backward(
         rows, num_features, source.spacing, source.knots,
         TABLE=source.table, PAIRED=edge_index.shape[1] == 2 * rows,
         NEED_X=need_x, NEED_FILT=need_filt, NEED_DIST=need_dist,
-        BLOCK_E=BLOCK_ROWS, BLOCK_F=_block_features(num_features),
+        BLOCK_E=BLOCK_ROWS, BLOCK_F=_block_features(num_features), num_warps=NUM_WARPS,
     )  # fmt: skip
     return grad_x, grad_filt, grad_values, grad_slopes, grad_dist
 
