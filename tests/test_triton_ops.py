@@ -179,6 +179,28 @@ def test_model_equals_torch_flavour_with_forces(packed_batch):
         assert_close(g_triton[name], grad, name)
 
 
+@needs_triton
+@pytest.mark.triton
+def test_compiled_model_keeps_the_kernels_in_one_graph(packed_batch):
+    """torch.compile(fullgraph=True) through dynamo and AOTAutograd ("aot_eager": their fake
+    tensors meet the kernels' custom ops, forward and backward) of SchNet with ops=triton:
+    no graph break, and the eager model's predictions and gradients."""
+    torch.manual_seed(4)
+    model = SchNet(hidden_channels=16, num_filters=16, num_interactions=2, graph="radius",
+                   ops="triton").to(DEVICE)  # fmt: skip
+    compiled = torch.compile(model, fullgraph=True, dynamic=False, backend="aot_eager")
+    results = []
+    for run in (compiled, model):
+        model.zero_grad()
+        pred = run(packed_batch)
+        pred.square().sum().backward()
+        results.append((pred.detach(), [p.grad.clone() for p in model.parameters()]))
+    (pred, grads), (want_pred, want_grads) = results
+    assert_close(pred, want_pred, "predictions")
+    for (name, _), got, want in zip(model.named_parameters(), grads, want_grads):
+        assert_close(got, want, name)
+
+
 def schnet_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     return masked_mse(model(batch), batch.y + 1.0, batch.graph_mask, 1.0)
 

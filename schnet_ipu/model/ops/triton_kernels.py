@@ -1,8 +1,9 @@
 """Triton kernels of the ``triton`` op flavour: fused gather-multiply-scatter, both passes.
 
-Imported only when a kernel first runs (:mod:`.triton_ops` imports it lazily), because
-``triton.jit`` decides at decoration time whether it compiles for the GPU or runs under
-Triton's interpreter (``TRITON_INTERPRET=1``, CPU tensors, the tests).
+Imported when the flavour is built (:class:`.triton_ops.TritonOps`), not with the package,
+because ``triton.jit`` decides at decoration time whether it compiles for the GPU or runs
+under Triton's interpreter (``TRITON_INTERPRET=1``, CPU tensors, the tests), and because the
+IPU path (torch 2.0.1, no triton) must import the flavours without it.
 
 One program takes ``BLOCK_E`` rows of the filter (a pair, or an edge without pair-symmetric
 storage) and every feature (``BLOCK_F`` = F rounded up to a power of two). It works out the
@@ -24,8 +25,10 @@ ordering of the edges, and the choice between the two is a GPU measurement still
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 
 @triton.jit
@@ -144,6 +147,81 @@ def conv_backward_kernel(
         tl.store(grad_filt_ptr + at, grad_filt, mask=ok)
 
 
-def launch_grid(num_rows: int, block_rows: int) -> tuple[int]:
-    """Programs for ``num_rows`` filter rows, ``block_rows`` each."""
-    return (triton.cdiv(num_rows, block_rows),)
+# Filter rows (pairs or edges) per program, every feature in one block: a [16, 128] tile
+# (F = 100) is 16 values per thread and tensor at 4 warps; the table's backward holds about
+# nine such tiles. Untuned: a GPU sweep of BLOCK_ROWS x NUM_WARPS is still to be done.
+BLOCK_ROWS = 16
+NUM_WARPS = 4
+
+
+def _launch(kernel, rows: int, num_features: int, *args, **switches) -> None:
+    """``kernel`` over ``rows`` filter rows, BLOCK_ROWS per program, all features at once."""
+    grid = (triton.cdiv(rows, BLOCK_ROWS),)
+    block_features = max(16, 1 << (num_features - 1).bit_length())
+    kernel[grid](*args, **switches, BLOCK_E=BLOCK_ROWS, BLOCK_F=block_features,
+                 num_warps=NUM_WARPS)  # fmt: skip
+
+
+# The kernels are wrapped as custom ops (torch.library.custom_op, torch >= 2.4): opaque to
+# dynamo and inductor, so ``backend.compile`` keeps one graph around them instead of tracing
+# into the launch. Every pointer argument is a tensor; unused ones are given x.
+
+
+@torch.library.custom_op("schnet_ipu::fused_conv", mutates_args=())
+def fused_conv(
+    x: Tensor, edge_index: Tensor, filt: Tensor, values: Tensor, slopes: Tensor, dist: Tensor,
+    mask: Tensor, spacing: Tensor, rows: int, table: bool,
+) -> Tensor:  # fmt: skip
+    """out [N, F] = sum over edges of x[src] * filter (see the module docstring)."""
+    out = torch.zeros_like(x)
+    _launch(
+        conv_forward_kernel, rows, x.shape[1],
+        x, edge_index[0], edge_index[1], filt, values, slopes, dist, mask, out,
+        rows, x.shape[1], spacing, values.shape[0],
+        TABLE=table, PAIRED=edge_index.shape[1] == 2 * rows,
+    )  # fmt: skip
+    return out
+
+
+@fused_conv.register_fake
+def _fused_conv_shape(x: Tensor, *args) -> Tensor:
+    return torch.empty_like(x)
+
+
+def _gradient_buffers(x, filt, values, dist, table, need_x, need_filt, need_dist, make):
+    """(grad_x, grad_filt, grad_values, grad_slopes, grad_dist) made by ``make(like)``; an
+    empty tensor where no gradient is asked for."""
+    wanted = (need_x, need_filt and not table, need_filt and table, need_filt and table, need_dist)
+    likes = (x, filt, values, values, dist)
+    return tuple(make(like) if want else x.new_empty(0) for like, want in zip(likes, wanted))
+
+
+@torch.library.custom_op("schnet_ipu::fused_conv_backward", mutates_args=())
+def fused_conv_backward(
+    grad: Tensor, x: Tensor, edge_index: Tensor, filt: Tensor, values: Tensor, slopes: Tensor,
+    dist: Tensor, mask: Tensor, spacing: Tensor, rows: int, table: bool, need_x: bool,
+    need_filt: bool, need_dist: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """(grad_x, grad_filt, grad_values, grad_slopes, grad_dist) of :func:`fused_conv`; empty
+    tensors where ``need_*`` is False (values and slopes follow ``need_filt``)."""
+    grads = _gradient_buffers(
+        x, filt, values, dist, table, need_x, need_filt, need_dist, torch.zeros_like
+    )
+    _launch(
+        conv_backward_kernel, rows, x.shape[1],
+        grad.contiguous(), x, edge_index[0], edge_index[1], filt, values, slopes, dist, mask,
+        *grads, rows, x.shape[1], spacing, values.shape[0],
+        TABLE=table, PAIRED=edge_index.shape[1] == 2 * rows,
+        NEED_X=need_x, NEED_FILT=need_filt, NEED_DIST=need_dist,
+    )  # fmt: skip
+    return grads
+
+
+@fused_conv_backward.register_fake
+def _fused_conv_backward_shape(
+    grad, x, edge_index, filt, values, slopes, dist, mask, spacing, rows, table, need_x,
+    need_filt, need_dist,
+):  # fmt: skip
+    return _gradient_buffers(
+        x, filt, values, dist, table, need_x, need_filt, need_dist, torch.empty_like
+    )

@@ -28,18 +28,12 @@ from schnet_ipu.config import ConfigError
 from schnet_ipu.model.ops.torch_ops import TorchOps, _pair_symmetric_conv_backward
 
 AVAILABLE = importlib.util.find_spec("triton") is not None
-# Filter rows (pairs or edges) per program, every feature in one block: a [16, 128] tile
-# (F = 100) is 16 values per thread and tensor at 4 warps; the table's backward holds about
-# nine such tiles. Untuned: a GPU sweep of BLOCK_ROWS x NUM_WARPS is still to be done.
-BLOCK_ROWS = 16
-NUM_WARPS = 4
 
 
 def _kernels(x: Tensor) -> ModuleType:
-    """The kernel module, imported at the first launch (``triton.jit`` reads
-    ``TRITON_INTERPRET`` then); refuses tensors the kernels cannot run on."""
-    interpreted = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-    if not x.is_cuda and not interpreted:
+    """The kernel module (its custom ops launch the kernels); refuses tensors they cannot
+    run on."""
+    if not x.is_cuda and not _interpreted():
         raise ConfigError(
             f"model.ops=triton runs its kernels on CUDA tensors, not {x.device} (CPU tensors "
             "only under TRITON_INTERPRET=1, for tests); use model.ops=torch here"
@@ -49,9 +43,8 @@ def _kernels(x: Tensor) -> ModuleType:
     return triton_kernels
 
 
-def _block_features(num_features: int) -> int:
-    """Features per program: all of them, rounded up to a power of two."""
-    return max(16, 1 << (num_features - 1).bit_length())
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
 class _FilterSource:
@@ -64,30 +57,21 @@ class _FilterSource:
         self.filt = x if filt is None else filt
         if table is None:
             self.values = self.slopes = self.dist = self.mask = self.spacing = x
-            self.knots = 2
             return
         self.dist, self.mask, self.values, self.slopes, cutoff = table
-        self.knots = self.values.shape[0]
-        spacing = cutoff / (self.knots - 1)  # torch.full: no host copy (graph capture)
+        spacing = cutoff / (self.values.shape[0] - 1)  # torch.full: no host copy (capture)
         self.spacing = torch.full((1,), spacing, dtype=x.dtype, device=x.device)
 
-    def pointers(self) -> tuple[Tensor, ...]:
-        return self.filt, self.values, self.slopes, self.dist, self.mask
+    def tensors(self) -> tuple[Tensor, ...]:
+        """filt, values, slopes, dist, mask, spacing: the custom ops' filter arguments."""
+        return self.filt, self.values, self.slopes, self.dist, self.mask, self.spacing
 
 
 def _conv_forward(x: Tensor, edge_index: Tensor, rows: int, source: _FilterSource) -> Tensor:
     """out [N, F] = sum over edges of x[src] * filter; ``rows`` filter rows, E = rows or
     2 rows (pair-symmetric)."""
     kernels = _kernels(x)
-    num_features = x.shape[1]
-    out = torch.zeros_like(x)
-    kernels.conv_forward_kernel[kernels.launch_grid(rows, BLOCK_ROWS)](
-        x, edge_index[0], edge_index[1], *source.pointers(), out,
-        rows, num_features, source.spacing, source.knots,
-        TABLE=source.table, PAIRED=edge_index.shape[1] == 2 * rows,
-        BLOCK_E=BLOCK_ROWS, BLOCK_F=_block_features(num_features), num_warps=NUM_WARPS,
-    )  # fmt: skip
-    return out
+    return kernels.fused_conv(x, edge_index, *source.tensors(), rows, source.table)
 
 
 def _conv_backward(
@@ -97,25 +81,12 @@ def _conv_backward(
     """Gradients (x, filt, values, slopes, dist) of :func:`_conv_forward`, None where
     ``needs`` = (x, filter or table, dist) says so."""
     kernels = _kernels(x)
-    num_features = x.shape[1]
+    grads = kernels.fused_conv_backward(
+        grad, x, edge_index, *source.tensors(), rows, source.table, *needs
+    )
     need_x, need_filt, need_dist = needs
-    grad_x = torch.zeros_like(x) if need_x else None
-    grad_filt = grad_values = grad_slopes = grad_dist = None
-    if need_filt and source.table:
-        grad_values, grad_slopes = torch.zeros_like(source.values), torch.zeros_like(source.slopes)
-    elif need_filt:
-        grad_filt = torch.empty_like(source.filt)
-    if need_dist:
-        grad_dist = torch.empty_like(source.dist)
-    kernels.conv_backward_kernel[kernels.launch_grid(rows, BLOCK_ROWS)](
-        grad.contiguous(), x, edge_index[0], edge_index[1], *source.pointers(),
-        *(x if t is None else t for t in (grad_x, grad_filt, grad_values, grad_slopes, grad_dist)),
-        rows, num_features, source.spacing, source.knots,
-        TABLE=source.table, PAIRED=edge_index.shape[1] == 2 * rows,
-        NEED_X=need_x, NEED_FILT=need_filt, NEED_DIST=need_dist,
-        BLOCK_E=BLOCK_ROWS, BLOCK_F=_block_features(num_features), num_warps=NUM_WARPS,
-    )  # fmt: skip
-    return grad_x, grad_filt, grad_values, grad_slopes, grad_dist
+    wanted = (need_x, need_filt, need_filt, need_filt, need_dist)
+    return tuple(g if want and g.numel() else None for g, want in zip(grads, wanted))
 
 
 class _PairSymmetricConv(torch.autograd.Function):
@@ -218,3 +189,5 @@ class TritonOps(TorchOps):
                 "model.ops=triton needs the triton package (pip install triton; it ships with "
                 "torch's CUDA wheels); use model.ops=torch"
             )
+        # imported now, before any torch.compile traces a model built with this flavour
+        from schnet_ipu.model.ops import triton_kernels  # noqa: F401
