@@ -2,14 +2,13 @@
 
 The kernel tests (marker ``triton``, opt-in: ``pytest -m triton tests/test_triton_ops.py``)
 run on CUDA tensors where a GPU is present, else on CPU tensors under Triton's interpreter
-(``TRITON_INTERPRET=1``), which is slow: the batches are a few packs of real QM9 molecules or
-water clusters, with padding.
+(``TRITON_INTERPRET=1``, which tests/conftest.py sets without a GPU). The interpreter is
+slow: the batches are a few packs of real QM9 molecules or water clusters, with padding.
 They compare outputs and every gradient in float32 and float64.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -28,22 +27,11 @@ from schnet_ipu.model.ops.common import edge_distance
 CUTOFF = 6.0
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 KNOTS = 37  # table knots: h = 1/6 A
-needs_triton = pytest.mark.skipif(not triton_ops.AVAILABLE, reason="triton is not installed")
+needs_triton = pytest.mark.skipif(
+    not triton_ops.AVAILABLE or (DEVICE == "cpu" and not triton_ops.interpreted()),
+    reason="triton is not installed, or no GPU and TRITON_INTERPRET is not 1 (conftest.py)",
+)
 RTOL = {torch.float32: 1e-5, torch.float64: 1e-10}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def interpreter():
-    """Triton's interpreter for CPU tensors, set before the kernel module is first imported
-    (``triton.jit`` reads it then) and put back after this module."""
-    before = os.environ.get("TRITON_INTERPRET")
-    if DEVICE == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"
-    yield
-    if before is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = before
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,7 @@ AVAILABLE = importlib.util.find_spec("triton") is not None
 def _kernels(x: Tensor) -> ModuleType:
     """The kernel module (its custom ops launch the kernels); refuses tensors they cannot
     run on."""
-    if not x.is_cuda and not _interpreted():
+    if not x.is_cuda and not interpreted():
         raise ConfigError(
             f"model.ops=triton runs its kernels on CUDA tensors, not {x.device} (CPU tensors "
             "only under TRITON_INTERPRET=1, for tests); use model.ops=torch here"
@@ -43,7 +43,9 @@ def _kernels(x: Tensor) -> ModuleType:
     return triton_kernels
 
 
-def _interpreted() -> bool:
+def interpreted() -> bool:
+    """Whether Triton's interpreter is on (``TRITON_INTERPRET``, read by ``triton.jit`` and
+    by triton's own library when they are first imported)."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
