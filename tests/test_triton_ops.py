@@ -143,6 +143,20 @@ def test_table_conv_equals_hermite_reference(packed_batch, dtype, storage):
 
 @needs_triton
 @pytest.mark.triton
+def test_table_conv_refuses_a_double_backward(packed_batch):
+    """Force training differentiates the forces again: the table kernels say they cannot."""
+    x, dist, mask, _, grad = pair_inputs(packed_batch, torch.float32)
+    values = torch.ones(KNOTS, x.shape[1], device=DEVICE, requires_grad=True)
+    dist.requires_grad_()
+    out = triton_ops.table_conv(x, packed_batch.edge_index, dist, mask, values, values, CUTOFF)
+    (grad_dist,) = torch.autograd.grad(out, dist, grad)  # once: fine
+    assert grad_dist.abs().max() > 0
+    with pytest.raises(ConfigError, match=r"model\.ops=torch"):
+        torch.autograd.grad(out, dist, grad, create_graph=True)
+
+
+@needs_triton
+@pytest.mark.triton
 def test_model_equals_torch_flavour_with_forces(packed_batch):
     """SchNet with ops=triton and ops=torch, same weights, float64: predictions, forces
     (dE/dpos through the kernels' backward) and every parameter's gradient of a loss on both

@@ -114,8 +114,8 @@ class _PairSymmetricConv(torch.autograd.Function):
 
 
 class _TableConv(torch.autograd.Function):
-    """:func:`table_conv` by the fused kernels; differentiable once (force training by
-    double backward through the table is not supported by this flavour)."""
+    """:func:`table_conv` by the fused kernels; differentiable once: a backward under
+    ``create_graph`` (force training's double backward) is a ConfigError."""
 
     @staticmethod
     def forward(
@@ -128,8 +128,12 @@ class _TableConv(torch.autograd.Function):
         return _conv_forward(x, edge_index, dist.shape[0], source)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
+        if torch.is_grad_enabled():  # create_graph: the kernel's gradients are not
+            raise ConfigError(  # differentiable again
+                "model.ops=triton reads the filter table differentiably once only; force "
+                "training (optim.forces_weight > 0) needs model.ops=torch"
+            )
         x, edge_index, dist, edge_mask, values, slopes = ctx.saved_tensors
         source = _FilterSource(x, table=(dist, edge_mask, values, slopes, ctx.cutoff))
         need_x, _, need_dist, _, need_values, need_slopes, _ = ctx.needs_input_grad
