@@ -10,8 +10,8 @@ add into the receivers in one pass, forward and backward, never writing the [E, 
   :func:`table_conv`).
 
 Everything else is the torch flavour's. The kernels run on CUDA tensors, or on CPU tensors
-under Triton's interpreter (``TRITON_INTERPRET=1`` set before the first kernel runs: the
-opt-in tests, marker ``triton``). Triton is optional: without it, choosing the flavour is a
+under Triton's interpreter (``TRITON_INTERPRET=1`` set before triton is first imported:
+the opt-in tests, marker ``triton``). Triton is optional: without it, choosing the flavour is a
 one-line :class:`~schnet_ipu.config.ConfigError`.
 """
 
@@ -88,7 +88,7 @@ def _conv_backward(
     )
     need_x, need_filt, need_dist = needs
     wanted = (need_x, need_filt, need_filt, need_filt, need_dist)
-    return tuple(g if want and g.numel() else None for g, want in zip(grads, wanted))
+    return tuple(g if want else None for g, want in zip(grads, wanted))
 
 
 class _PairSymmetricConv(torch.autograd.Function):
