@@ -163,7 +163,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "packing.replica_balance": ("none", "cost_model"),
     "model.graph": ("knn", "radius"),
     "model.readout": ("sum", "mean"),
-    "model.ops": ("torch", "ipu"),
+    "model.ops": ("torch", "ipu", "triton"),
     "loader.device_resident": ("auto", "true", "false"),
     "model.message_passing": ("sparse", "dense"),
     "optim.schedule": ("plateau", "cosine", "constant"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,14 @@ import torch
 
 from schnet_ipu import compiled_feed
 from schnet_ipu.data import import_qm9
+
+
+def pytest_configure(config) -> None:
+    """Without a GPU, Triton kernels can only run under Triton's interpreter; it must be on
+    before anything imports triton (its own library functions are decorated then), so the
+    opt-in ``triton`` tests set it here, at the start of the session."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -151,7 +151,7 @@ def test_gpu_suite_runs_on_cpu(store: Path, tmp_path: Path) -> None:
             "model.num_gaussians=6", "loader.workers=0"]  # fmt: skip
     report = gpu.run_gpu(
         store, "cpu", subset=150, rounds=1, pyg_batches=(16,), precisions=("bf16",),
-        overrides=tiny,
+        overrides=tiny, variants=("fused",), profile=True,
     )  # fmt: skip
     loaded = check_report(report, "gpu", tmp_path, gpu)
     rows = {r["name"]: r for r in loaded["results"]}
@@ -161,7 +161,10 @@ def test_gpu_suite_runs_on_cpu(store: Path, tmp_path: Path) -> None:
         assert row["epoch_seconds"] > 0 and row["molecules_per_s"] > 0
     assert rows["ours bf16 eager"]["graph_recaptures"] == 0
     assert rows["ours bf16 eager"]["val_mae"] > 0
-    assert loaded["ratios"]["ratio_vs_pyg"] > 0
+    assert loaded["ratios"]["ratio_vs_pyg_best"] > 0
+    assert any("ours tf32 fused: the Triton kernels need CUDA" in n for n in loaded["notes"])
+    (profile,) = loaded["profiles"].values()  # the profiled variant of ours
+    assert profile["steps"] > 0 and profile["top_per_step"][0]["ms_per_step"] > 0
 
 
 def test_dense(store: Path, tmp_path: Path) -> None:

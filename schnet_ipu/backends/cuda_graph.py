@@ -7,6 +7,14 @@ clipping and the Adam update are captured once, and every later step is one
 PyTorch's "whole network capture" recipe: warm-up iterations on a side stream, a capturable
 optimiser whose learning rate is a device tensor, and no host synchronisation in the step.
 
+With ``backend.compile=true`` the step's forward + loss is a ``torch.compile`` function
+(inductor's default mode): dynamo and AOTAutograd compile it, forward and backward, in the
+first warm-up step, so the capture records inductor's fused kernels and a replay runs them
+with no Python at all; the fixed shapes keep dynamo's guards passing, so nothing recompiles
+(``TorchBackend.compiled_graphs`` stays at its warm-up count; ``bench gpu`` reports it).
+``mode="reduce-overhead"`` is not used: it records CUDA graphs of its own, which cannot
+nest inside this capture, and this one also covers the reduction, clipping and Adam.
+
     step = CapturedStep(run_step, model, optimizer, device)
     loss = step(device_batches).clone()  # [] on the device, the step's mean loss
 """

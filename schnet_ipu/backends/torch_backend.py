@@ -94,7 +94,9 @@ class TorchBackend:
         merge_allreduce: one all-reduce of a flat buffer per step instead of one per parameter.
         shared_memory_allreduce: with ``merge_allreduce``, CPU replicas that
             ``launch_replicas`` spawned on one host sum the buffer in shared memory.
-        compile: ``torch.compile(model, dynamic=False)`` instead of eager execution.
+        compile: ``torch.compile(loss_fn, dynamic=False)`` for training (forward, loss and,
+            through AOTAutograd, their backward; inside the CUDA graph when ``cuda_graphs``)
+            and ``torch.compile(model, dynamic=False)`` for prediction.
         compile_backend: the torch.compile backend ("aot_eager" skips code generation).
         grad_clip: max gradient norm after the replica reduction; 0 disables clipping.
         replica: this process's rank among the replicas (from ``init_replica``).
@@ -142,7 +144,9 @@ class TorchBackend:
         self.compiled_graphs = 0
         self.compile_backend = compile_backend
         self._run_model: nn.Module = model
-        if compile:
+        self._compiled_loss: LossFn | None = None
+        if compile:  # forward + loss as one graph; AOTAutograd compiles its backward with it
+            self._compiled_loss = torch.compile(loss_fn, dynamic=False, backend=self._count_graphs)
             self._run_model = torch.compile(model, dynamic=False, backend=self._count_graphs)
         self._train_guard = ShapeGuard("training")
         self._predict_guard = ShapeGuard("prediction")
@@ -207,7 +211,7 @@ class TorchBackend:
         step_loss = torch.zeros((), device=self.device)
         for batch in group:
             with self._autocast():
-                loss = self._run("train", lambda model, batch=batch: self.loss_fn(model, batch))
+                loss = self._train_loss(batch)
             (loss / len(group)).backward()
             step_loss += loss.detach()
         self._collectives = self.reduce_gradients()
@@ -246,6 +250,13 @@ class TorchBackend:
         batch = self._to_device(batch)
         with self._matmul_precision(), self._autocast():
             return self._run("predict", lambda model: model(batch)).cpu()
+
+    def _train_loss(self, batch: Batch) -> Tensor:
+        """Forward pass and loss [] of one device batch: with ``compile`` one compiled
+        function (unless the first call is the PopTorch op check's)."""
+        if self._compiled_loss is not None and "train" not in self._unchecked:
+            return self._compiled_loss(self.model, batch)
+        return self._run("train", lambda model: self.loss_fn(model, batch))
 
     def _run(self, kind: str, fn: Callable[[nn.Module], Tensor]) -> Tensor:
         """``fn(model)``; the first ``kind`` ("train" / "predict") call runs eagerly under the

@@ -1,8 +1,8 @@
 """``python -m schnet_ipu.bench SUITE [--quick] [--json PATH] [--out-dir DIR] [--store PATH]``.
 
 The gpu suite also takes ``--device`` (default cuda), ``--subset N`` (molecules; 0 = all),
-``--molecules-per-step N`` (ours, about; default 32) and ``--set section.key=value``
-(config overrides, repeatable).
+``--molecules-per-step N`` (ours, about; default 32), ``--set section.key=value``
+(config overrides, repeatable) and ``--profile`` (top kernels per step of each variant).
 
 Suites: throughput, ablation, batching, loader, scaling, model (forward+backward against
 PyG's SchNet), replication (replicas x gradient reduction), gpu (full QM9 epochs against
@@ -51,16 +51,22 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--molecules-per-step", type=int, default=None, help="gpu suite: ours, about (32)"
     )
+    parser.add_argument(
+        "--profile", action="store_true", default=None, help="gpu suite: top kernels per step"
+    )
     args = parser.parse_args(argv)
     gpu_options = {
         "device": args.device,
         "subset": args.subset,
         "overrides": args.set or None,
         "molecules_per_step": args.molecules_per_step,
+        "profile": args.profile,
     }
     gpu_options = {key: value for key, value in gpu_options.items() if value is not None}
     if gpu_options and args.suite != "gpu":
-        parser.error("--device, --subset, --molecules-per-step and --set are gpu suite options")
+        parser.error(
+            "--device, --subset, --molecules-per-step, --set and --profile are gpu suite options"
+        )
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     suite = importlib.import_module(f"schnet_ipu.bench.{args.suite}")
     report = suite.run(args.quick, args.store, **gpu_options)

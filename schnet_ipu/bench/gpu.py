@@ -1,8 +1,16 @@
 """Full QM9 training epochs on one GPU: ours (each precision, with and without a CUDA graph
-per step) against stock PyG SchNet on PyG's DataLoader, side by side in one process.
+per step, and the faster step variants) against stock PyG SchNet on PyG's DataLoader, side by
+side in one process.
 
-    python -m schnet_ipu.bench gpu --json docs/benchmarks/gpu-h100.json
+    python -m schnet_ipu.bench gpu --json docs/benchmarks/gpu-h100.json --profile
     python -m schnet_ipu.bench gpu --device cpu --subset 300 --quick   # a smoke run on a CPU
+
+The step variants (``VARIANTS``, tf32 with a CUDA graph per step): ``compiled``
+(``backend.compile=true``: inductor's forward + loss + backward inside the captured graph),
+``fused`` (``model.ops=triton``: the Triton message-passing kernels) and ``table`` (the
+tabulated filter, ``model.filter=table``, read by the Triton kernels) and ``compiled fused``
+(both: inductor around the kernels). ``--profile`` adds a
+torch profiler table of the top kernels per step of every variant of ours.
 
 Every variant trains the paper model (configs/qm9.yaml: 100 features, 4 interactions,
 25 Gaussians, cutoff 6 A, Adam 1e-3) on the same training split. Round 0 is an untimed
@@ -26,17 +34,34 @@ from schnet_ipu import components
 from schnet_ipu.backends import ReplicaInfo
 from schnet_ipu.bench.common import QM9_STORE, new_report, packs_for, ratio
 from schnet_ipu.bench.throughput import PYG, RADIUS_BUILDER, pyg, pyg_items
-from schnet_ipu.config import Config, apply_override, config_from_dict, load_config, validate
+from schnet_ipu.config import (
+    Config,
+    ConfigError,
+    apply_override,
+    config_from_dict,
+    load_config,
+    validate,
+)
 from schnet_ipu.loader import PackedLoader
 from schnet_ipu.pipeline import PreparedData, make_loader, prepare_data
 from schnet_ipu.task import evaluate, make_task
 
 PAPER_CONFIG = Path(__file__).resolve().parents[2] / "configs/qm9.yaml"
 PRECISIONS = ("fp32", "tf32", "bf16")
+VARIANT_PRECISION = "tf32"
+VARIANTS = {  # name -> config overrides
+    "compiled": ["backend.compile=true"],
+    "fused": ["model.ops=triton"],
+    "table": ["model.ops=triton", "model.filter=table"],
+    "compiled fused": ["backend.compile=true", "model.ops=triton"],
+}
+CUDA_ONLY = ("fused", "table", "compiled fused")  # the Triton kernels need CUDA tensors
+PROFILE_STEPS = 20
+PROFILE_ROWS = 15
 
 COLUMNS = ["name", "epoch_seconds", "molecules_per_s", "molecules_per_step", "steps_per_epoch",
-           "peak_memory_mb", "ratio_vs_pyg", "data_fraction", "graph_recaptures",
-           "recompilations", "val_mae"]  # fmt: skip
+           "peak_memory_mb", "ratio_vs_pyg_best", "data_fraction", "graph_recaptures",
+           "recompilations", "compiled_graphs_after_warmup", "val_mae"]  # fmt: skip
 PLOT = ("name", "epoch_seconds", "seconds per QM9 training epoch")
 
 Epoch = Callable[[int], dict]  # round -> {"molecules", "steps", and optional extras}
@@ -50,11 +75,14 @@ def paper_config(store: str | Path, device: str, subset: int, overrides: list[st
     return load_config(PAPER_CONFIG, [*base, *overrides])
 
 
-def variant_config(cfg: Config, precision: str, graphs: bool) -> Config:
-    """A copy of ``cfg`` with this variant's precision and CUDA-graph setting."""
+def variant_config(cfg: Config, precision: str, graphs: bool, overrides: list[str] = ()) -> Config:
+    """A copy of ``cfg`` with this variant's precision, CUDA-graph setting and overrides (a
+    key this config does not know raises ConfigError)."""
     copy = config_from_dict(cfg.to_dict())
     apply_override(copy, f"backend.precision={precision}")
     apply_override(copy, f"backend.cuda_graphs={'true' if graphs else 'false'}")
+    for override in overrides:
+        apply_override(copy, override)
     validate(copy)
     return copy
 
@@ -66,6 +94,7 @@ def ours(
     same batches for every variant); the step losses stay on the device until the epoch's
     end."""
     backend = components.make_trainer(cfg, data, ReplicaInfo(), device)[2]
+    warm_graphs: list[int] = []  # dynamo graphs compiled by the end of the warm-up epoch
 
     def epoch(round_: int) -> dict:
         losses, molecules, steps = [], 0, 0
@@ -82,7 +111,10 @@ def ours(
                 molecules += record["molecules"]
                 steps += 1
         loss = float(torch.stack(losses).mean())  # the epoch's one synchronisation
-        return {"molecules": molecules, "steps": steps, "data_seconds": data_seconds, "loss": loss}
+        if round_ == 0:
+            warm_graphs.append(backend.compiled_graphs)
+        return {"molecules": molecules, "steps": steps, "data_seconds": data_seconds, "loss": loss,
+                "recompiles": backend.compiled_graphs - warm_graphs[0]}  # fmt: skip
 
     return epoch, backend
 
@@ -133,6 +165,7 @@ def time_rounds(epochs: dict[str, Epoch], rounds: int, device: str) -> dict[str,
             "peak_memory_mb": peak[name] / 2**20 if cuda else None,
             "data_fraction": counts["data_seconds"] / median if "data_seconds" in counts else None,
             "train_loss_last_epoch": counts.get("loss"),
+            "compiled_graphs_after_warmup": counts.get("recompiles"),
         }
     return results
 
@@ -146,12 +179,15 @@ def run_gpu(
     precisions: tuple[str, ...] = PRECISIONS,
     overrides: list[str] = (),
     molecules_per_step: int = 32,
+    variants: tuple[str, ...] = (),
+    profile: bool = False,
 ) -> dict:
-    """Every variant side by side; ``ratio_vs_pyg`` of our fastest epoch over PyG's fastest.
+    """Every variant side by side; ``ratio_vs_pyg_best``: PyG's fastest epoch over ours.
 
-    CUDA-graph variants need a CUDA ``device`` (on a CPU only the eager ones run). Ours trains
+    CUDA-graph variants need a CUDA ``device`` (on a CPU only the eager ones run, and of
+    ``variants`` (names in ``VARIANTS``) only ``compiled``, without a graph). Ours trains
     about ``molecules_per_step`` molecules per optimiser step (whole packs); PyG runs batches
-    of each size in ``pyg_batches``.
+    of each size in ``pyg_batches``. ``profile``: a profiler table per variant of ours.
     """
     cfg = paper_config(store, device, subset, list(overrides))
     data = prepare_data(cfg)
@@ -161,15 +197,31 @@ def run_gpu(
     epochs: dict[str, Epoch] = {}
     backends: dict[str, object] = {}
     configs: dict[str, Config] = {}
+    skipped: list[str] = []
     for precision in precisions:
         for graphs in graph_choices:
             name = f"ours {precision}" + (" cuda graph" if graphs else " eager")
             configs[name] = variant_config(cfg, precision, graphs)
-            epochs[name], backends[name] = ours(configs[name], data, loader, device)
+    cuda = device.startswith("cuda")
+    for variant in variants:
+        name = f"ours {VARIANT_PRECISION} {variant}" + (" cuda graph" if cuda else "")
+        if variant in CUDA_ONLY and not cuda:
+            skipped.append(f"{name}: the Triton kernels need CUDA tensors")
+            continue
+        try:
+            configs[name] = variant_config(cfg, VARIANT_PRECISION, cuda, VARIANTS[variant])
+        except ConfigError as error:  # e.g. a config without the tabulated filter
+            skipped.append(f"{name}: {error}")
+    for name, variant_cfg in configs.items():
+        epochs[name], backends[name] = ours(variant_cfg, data, loader, device)
     items = pyg_items(data)
     for batch_size in pyg_batches:
         epochs[f"{PYG} batch {batch_size}"] = stock_pyg(data, cfg, batch_size, device, items)
     measured = time_rounds(epochs, rounds, device)
+    profiles = {}
+    if profile:
+        for name, backend in backends.items():
+            profiles[name] = profile_steps(backend, loader, device)
 
     rows = []
     for name, row in measured.items():
@@ -181,6 +233,8 @@ def run_gpu(
             row.update(
                 precision=configs[name].backend.precision,
                 cuda_graph=configs[name].backend.cuda_graphs == "true",
+                compile=configs[name].backend.compile,
+                ops=configs[name].model.ops,
                 graph_recaptures=max(backend.graph_captures - 1, 0),
                 recompilations=backend.recompilations,
                 val_mae=val["mae"],
@@ -190,11 +244,11 @@ def run_gpu(
     best_ours = min((n for n in seconds if n.startswith("ours")), key=seconds.get)
     best_pyg = min((n for n in seconds if n.startswith(PYG)), key=seconds.get)
     for row in rows:
-        row["ratio_vs_pyg"] = ratio(seconds[best_pyg], row["epoch_seconds"])
+        row["ratio_vs_pyg_best"] = ratio(seconds[best_pyg], row["epoch_seconds"])
     ratios = {
         "best_ours": best_ours,
         "best_pyg": best_pyg,
-        "ratio_vs_pyg": ratio(seconds[best_pyg], seconds[best_ours]),
+        "ratio_vs_pyg_best": ratio(seconds[best_pyg], seconds[best_ours]),
         "ratio_vs_pyg_batch_32": ratio(
             seconds.get(f"{PYG} batch 32", math.nan), seconds[best_ours]
         ),
@@ -202,6 +256,9 @@ def run_gpu(
     on = torch.device(device)
     feed_device = str(loader.dataset.arrays.device)
     report = new_report("gpu", rows, ratios, notes(cfg, data, rounds, device, subset, feed_device))
+    report["notes"] += [f"Skipped {line}" for line in skipped]
+    if profiles:
+        report["profiles"] = profiles
     report["device"] = {
         "name": torch.cuda.get_device_name(on) if on.type == "cuda" else "cpu (not a GPU run)",
         "torch": torch.__version__,
@@ -209,6 +266,39 @@ def run_gpu(
         "cudnn": torch.backends.cudnn.version() if on.type == "cuda" else None,
     }
     return report
+
+
+def profile_steps(backend, loader: PackedLoader, device: str) -> dict:
+    """The top kernels (CUDA) or ops (CPU) of ``PROFILE_STEPS`` optimiser steps of a warm
+    backend, by self time: a printed table (totals over the steps) and per step rows."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.startswith("cuda")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    calls = loader.epoch(0)
+    steps = 0
+    with profile(activities=activities) as profiler:
+        while steps < PROFILE_STEPS:
+            call = next(calls, None)
+            if call is None:
+                break
+            steps += len(backend.train_call(call))
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    def self_us(event) -> float:  # microseconds of the event's own work, summed
+        return event.self_device_time_total if cuda else event.self_cpu_time_total
+
+    averages = profiler.key_averages()
+    sort_by = "self_device_time_total" if cuda else "self_cpu_time_total"
+    table = averages.table(sort_by=sort_by, row_limit=PROFILE_ROWS)
+    print(f"profile, {steps} steps:\n{table}", file=sys.stderr, flush=True)
+    top = sorted(averages, key=self_us, reverse=True)[:PROFILE_ROWS]
+    per_step = [
+        {"name": e.key, "ms_per_step": self_us(e) / 1e3 / steps, "calls": e.count / steps}
+        for e in top
+    ]
+    return {"steps": steps, "table": table, "top_per_step": per_step}
 
 
 def notes(
@@ -232,7 +322,9 @@ def notes(
         f"Timing: an untimed warm-up epoch of every variant, then {rounds} round(s) of one "
         "epoch of each variant in turn; medians. data_fraction: share of our epoch spent "
         "waiting for the loader. val_mae: validation MAE (eV) after the warm-up and timed "
-        "epochs (the same number for every variant of ours).",
+        "epochs (every variant of ours trains the same batches from the same initial weights, "
+        "so they differ by precision and rounding only). compiled_graphs_after_warmup: dynamo "
+        "graphs compiled after the warm-up epoch (0: no recompilation).",
         "graph_recaptures: CUDA-graph captures after the first (the shape guard makes a "
         "re-capture impossible: a changed shape raises instead).",
     ]
@@ -242,8 +334,10 @@ def notes(
 
 
 def run(quick: bool, store: str, device: str = "cuda", subset: int = 0,
-        overrides: list[str] = (), molecules_per_step: int = 32) -> dict:  # fmt: skip
-    options = {"overrides": overrides, "molecules_per_step": molecules_per_step}
+        overrides: list[str] = (), molecules_per_step: int = 32, profile: bool = False,
+        variants: tuple[str, ...] = tuple(VARIANTS)) -> dict:  # fmt: skip
+    options = {"overrides": overrides, "molecules_per_step": molecules_per_step,
+               "variants": variants, "profile": profile}  # fmt: skip
     sizes = {32, 128, molecules_per_step} if quick else {32, 128, 512, molecules_per_step}
     pyg_batches = tuple(sorted(sizes))  # PyG at our step size too
     return run_gpu(store, device, subset, rounds=1 if quick else 3, pyg_batches=pyg_batches,

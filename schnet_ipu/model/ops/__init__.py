@@ -17,7 +17,8 @@ The model calls only these primitives, through the flavour object it was built w
 
 Flavours: ``torch`` (:mod:`.torch_ops`: fused kernels, custom autograd, in-place buffers) for
 CPU and CUDA; ``ipu`` (:mod:`.ipu_ops`: only ops PopTorch maps to Poplar) for the IPU and its
-CPU emulation.
+CPU emulation; ``triton`` (:mod:`.triton_ops`: the torch flavour with fused Triton kernels for
+the message passing) for CUDA.
 """
 
 from __future__ import annotations
@@ -25,14 +26,15 @@ from __future__ import annotations
 from schnet_ipu.model.ops.common import naive_shifted_softplus
 from schnet_ipu.model.ops.ipu_ops import IpuOps
 from schnet_ipu.model.ops.torch_ops import TorchOps
+from schnet_ipu.model.ops.triton_ops import TritonOps
 
-FLAVOURS = {"torch": TorchOps, "ipu": IpuOps}
+FLAVOURS = {"torch": TorchOps, "ipu": IpuOps, "triton": TritonOps}
 
-__all__ = ["FLAVOURS", "IpuOps", "TorchOps", "get_ops", "naive_shifted_softplus"]
+__all__ = ["FLAVOURS", "IpuOps", "TorchOps", "TritonOps", "get_ops", "naive_shifted_softplus"]
 
 
 def get_ops(name: str) -> TorchOps | IpuOps:
-    """The flavour called ``name`` ("torch" or "ipu")."""
+    """The flavour called ``name`` ("torch", "ipu" or "triton")."""
     if name not in FLAVOURS:
         raise ValueError(f"unknown op flavour {name!r}; one of {', '.join(FLAVOURS)}")
     return FLAVOURS[name]()

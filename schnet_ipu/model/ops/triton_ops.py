@@ -1,0 +1,199 @@
+"""The ``triton`` op flavour (CUDA): the torch flavour with fused message-passing kernels.
+
+``model.ops=triton`` swaps two primitives of :class:`~.torch_ops.TorchOps` for Triton
+kernels (:mod:`.triton_kernels`) that gather the senders' rows, multiply by the filter and
+add into the receivers in one pass, forward and backward, never writing the [E, F] messages:
+
+* ``pair_symmetric_conv(x, edge_index, filt)``: the exact per-pair filter [P, F];
+* ``table_conv(x, edge_index, dist, edge_mask, values, slopes, cutoff)``: the filter
+  interpolated from a table of one interaction block (cubic Hermite; the contract is in
+  :func:`table_conv`).
+
+Everything else is the torch flavour's. The kernels run on CUDA tensors, or on CPU tensors
+under Triton's interpreter (``TRITON_INTERPRET=1`` set before triton is first imported:
+the opt-in tests, marker ``triton``). Triton is optional: without it, choosing the flavour is a
+one-line :class:`~schnet_ipu.config.ConfigError`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from types import ModuleType
+
+import torch
+from torch import Tensor
+
+from schnet_ipu.config import ConfigError
+from schnet_ipu.model.ops.torch_ops import TorchOps, _pair_symmetric_conv_backward
+
+AVAILABLE = importlib.util.find_spec("triton") is not None
+
+
+def _kernels(x: Tensor) -> ModuleType:
+    """The kernel module (its custom ops launch the kernels); refuses tensors they cannot
+    run on."""
+    if not x.is_cuda and not interpreted():
+        raise ConfigError(
+            f"model.ops=triton runs its kernels on CUDA tensors, not {x.device} (CPU tensors "
+            "only under TRITON_INTERPRET=1, for tests); use model.ops=torch here"
+        )
+    from schnet_ipu.model.ops import triton_kernels
+
+    return triton_kernels
+
+
+def interpreted() -> bool:
+    """Whether Triton's interpreter is on (``TRITON_INTERPRET``, read by ``triton.jit`` and
+    by triton's own library when they are first imported)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+class _FilterSource:
+    """Where a kernel reads the filter: the per-row filter [R, F], or the table (values and
+    slopes [K, F] at knot spacing h, with dist and edge_mask [R]). Unused pointers are
+    given ``x``; the kernels never read them (``TABLE`` is a compile-time switch)."""
+
+    def __init__(self, x: Tensor, filt: Tensor | None = None, table: tuple | None = None):
+        self.table = table is not None
+        self.filt = x if filt is None else filt
+        if table is None:
+            self.values = self.slopes = self.dist = self.mask = self.spacing = x
+            return
+        self.dist, self.mask, self.values, self.slopes, cutoff = table
+        spacing = cutoff / (self.values.shape[0] - 1)  # torch.full: no host copy (capture)
+        self.spacing = torch.full((1,), spacing, dtype=x.dtype, device=x.device)
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        """filt, values, slopes, dist, mask, spacing: the custom ops' filter arguments."""
+        return self.filt, self.values, self.slopes, self.dist, self.mask, self.spacing
+
+
+def _conv_forward(x: Tensor, edge_index: Tensor, rows: int, source: _FilterSource) -> Tensor:
+    """out [N, F] = sum over edges of x[src] * filter; ``rows`` filter rows, E = rows or
+    2 rows (pair-symmetric)."""
+    kernels = _kernels(x)
+    return kernels.fused_conv(x, edge_index, *source.tensors(), rows, source.table)
+
+
+def _conv_backward(
+    grad: Tensor, x: Tensor, edge_index: Tensor, rows: int, source: _FilterSource,
+    needs: tuple[bool, bool, bool],
+) -> tuple[Tensor | None, ...]:  # fmt: skip
+    """Gradients (x, filt, values, slopes, dist) of :func:`_conv_forward`, None where
+    ``needs`` = (x, filter or table, dist) says so."""
+    kernels = _kernels(x)
+    grads = kernels.fused_conv_backward(
+        grad, x, edge_index, *source.tensors(), rows, source.table, *needs
+    )
+    need_x, need_filt, need_dist = needs
+    wanted = (need_x, need_filt, need_filt, need_filt, need_dist)
+    return tuple(g if want else None for g, want in zip(grads, wanted))
+
+
+class _PairSymmetricConv(torch.autograd.Function):
+    """:func:`pair_symmetric_conv` by the fused kernels. Under ``create_graph`` (force
+    training) the backward is the torch flavour's differentiable one."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, edge_index: Tensor, filt: Tensor) -> Tensor:
+        ctx.save_for_backward(x, edge_index, filt)
+        return _conv_forward(x, edge_index, filt.shape[0], _FilterSource(x, filt=filt))
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, None, Tensor | None]:
+        x, edge_index, filt = ctx.saved_tensors
+        if torch.is_grad_enabled():
+            grad_msg = grad.index_select(0, edge_index[1])
+            return _pair_symmetric_conv_backward(
+                x, edge_index[0], filt, grad_msg, ctx.needs_input_grad
+            )
+        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[2], False)
+        grads = _conv_backward(grad, x, edge_index, filt.shape[0], _FilterSource(x, filt), needs)
+        return grads[0], None, grads[1]
+
+
+class _TableConv(torch.autograd.Function):
+    """:func:`table_conv` by the fused kernels; differentiable once: a backward under
+    ``create_graph`` (force training's double backward) is a ConfigError."""
+
+    @staticmethod
+    def forward(
+        ctx, x: Tensor, edge_index: Tensor, dist: Tensor, edge_mask: Tensor,
+        values: Tensor, slopes: Tensor, cutoff: float,
+    ) -> Tensor:  # fmt: skip
+        ctx.save_for_backward(x, edge_index, dist, edge_mask, values, slopes)
+        ctx.cutoff = cutoff
+        source = _FilterSource(x, table=(dist, edge_mask, values, slopes, cutoff))
+        return _conv_forward(x, edge_index, dist.shape[0], source)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
+        if torch.is_grad_enabled():  # create_graph: the kernel's gradients are not
+            raise ConfigError(  # differentiable again
+                "model.ops=triton reads the filter table differentiably once only; force "
+                "training (optim.forces_weight > 0) needs model.ops=torch"
+            )
+        x, edge_index, dist, edge_mask, values, slopes = ctx.saved_tensors
+        source = _FilterSource(x, table=(dist, edge_mask, values, slopes, ctx.cutoff))
+        need_x, _, need_dist, _, need_values, need_slopes, _ = ctx.needs_input_grad
+        needs = (need_x, need_values or need_slopes, need_dist)
+        grad_x, _, grad_values, grad_slopes, grad_dist = _conv_backward(
+            grad, x, edge_index, dist.shape[0], source, needs
+        )
+        return grad_x, None, grad_dist, None, grad_values, grad_slopes, None
+
+
+def pair_symmetric_conv(x: Tensor, edge_index: Tensor, filt: Tensor) -> Tensor:
+    """``out[i] = sum over edges (j -> i) of x[j] * filt[pair of the edge]``, fused.
+
+    x [N, F]; edge_index [2, 2P] (forward pairs, then the same pairs reversed); filt [P, F]
+    (cast to x's dtype, e.g. bf16 filters under autocast). Returns [N, F]. The torch
+    flavour's :func:`~.torch_ops.pair_symmetric_conv` is the reference.
+    """
+    edge_index, filt = edge_index.contiguous(), filt.to(x.dtype).contiguous()
+    return _PairSymmetricConv.apply(x.contiguous(), edge_index, filt)
+
+
+def table_conv(
+    x: Tensor, edge_index: Tensor, dist: Tensor, edge_mask: Tensor,
+    values: Tensor, slopes: Tensor, cutoff: float,
+) -> Tensor:  # fmt: skip
+    """``out[i] = sum over edges (j -> i) of x[j] * W(d_ji)``, W interpolated from a table.
+
+    The table of one interaction block holds ``values`` [K, F] = W(d_k) and ``slopes``
+    [K, F] = dW/dd(d_k) on d_k = k h, h = cutoff / (K - 1). An edge of length d has
+    s = d / h, k = clamp(floor(s), 0, K - 2), t = s - k and
+    W = (2t^3 - 3t^2 + 1) v_k + (t^3 - 2t^2 + t) h s_k + (-2t^3 + 3t^2) v_{k+1}
+    + (t^3 - t^2) h s_{k+1}; masked edges contribute nothing.
+
+    x [N, F]; edge_index [2, E] (row 0 source j, row 1 receiver i); dist and edge_mask [E']
+    with E' = E, or E' = E / 2 for pair-symmetric storage (edge p + E' is pair p reversed and
+    shares its filter). Returns [N, F]; differentiable (once) in x, dist, values and slopes.
+    """
+    rows, edges = dist.shape[0], edge_index.shape[1]
+    if edges not in (rows, 2 * rows):
+        raise ValueError(f"table_conv: dist has {rows} rows for {edges} edges (need E or E/2)")
+    return _TableConv.apply(
+        x.contiguous(), edge_index.contiguous(), dist.to(x.dtype).contiguous(),
+        edge_mask.contiguous().view(torch.uint8),
+        values.to(x.dtype).contiguous(), slopes.to(x.dtype).contiguous(), float(cutoff),
+    )  # fmt: skip
+
+
+class TritonOps(TorchOps):
+    """The triton flavour: the torch flavour's primitives, with ``pair_symmetric_conv`` and
+    ``table_conv`` fused (see the module docstring)."""
+
+    name = "triton"
+    pair_symmetric_conv = staticmethod(pair_symmetric_conv)
+    table_conv = staticmethod(table_conv)
+
+    def __init__(self) -> None:
+        if not AVAILABLE:
+            raise ConfigError(
+                "model.ops=triton needs the triton package (pip install triton; it ships with "
+                "torch's CUDA wheels); use model.ops=torch"
+            )
+        # imported now, before any torch.compile traces a model built with this flavour
+        from schnet_ipu.model.ops import triton_kernels  # noqa: F401

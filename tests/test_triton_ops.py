@@ -1,0 +1,273 @@
+"""The ``triton`` op flavour: fused kernels against the torch flavour and a plain-torch table.
+
+The kernel tests (marker ``triton``, opt-in: ``pytest -m triton tests/test_triton_ops.py``)
+run on CUDA tensors where a GPU is present, else on CPU tensors under Triton's interpreter
+(``TRITON_INTERPRET=1``, which tests/conftest.py sets without a GPU). The interpreter is
+slow: the batches are a few packs of real QM9 molecules or water clusters, with padding.
+They compare outputs and every gradient in float32 and float64.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from schnet_ipu.backends import TorchBackend
+from schnet_ipu.batch import Batch
+from schnet_ipu.bench.model import molecules_to_batch, pair_array, plan_packs
+from schnet_ipu.config import ConfigError
+from schnet_ipu.data import MoleculeStore, generate_water
+from schnet_ipu.forces import energy_and_forces
+from schnet_ipu.model import SchNet
+from schnet_ipu.model.ops import get_ops, torch_ops, triton_ops
+from schnet_ipu.model.ops.common import edge_distance
+from schnet_ipu.task import masked_mse
+
+CUTOFF = 6.0
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+KNOTS = 37  # table knots: h = 1/6 A
+needs_triton = pytest.mark.skipif(
+    not triton_ops.AVAILABLE or (DEVICE == "cpu" and not triton_ops.interpreted()),
+    reason="triton is not installed, or no GPU and TRITON_INTERPRET is not 1 (conftest.py)",
+)
+RTOL = {torch.float32: 1e-5, torch.float64: 1e-10}
+
+
+@pytest.fixture(scope="module")
+def water_store(tmp_path_factory) -> Path:
+    """Eight relaxed TIP3P water clusters of 2-5 molecules."""
+    return generate_water(tmp_path_factory.mktemp("water") / "water.h5", 8, sizes=(2, 5))
+
+
+@pytest.fixture(scope="module", params=["qm9", "water"])
+def packed_batch(request, qm9_store, water_store) -> Batch:
+    """Real molecules (14 QM9 rows, or the 8 water clusters) in packs of 48 atom slots / 5
+    molecule slots, with padding atoms, padding pair slots and one empty pack, on ``DEVICE``."""
+    if request.param == "qm9":
+        store = MoleculeStore(qm9_store)
+        molecules = [store.molecule(i) for i in range(100, 1400, 93)]
+    else:
+        store = MoleculeStore(water_store)
+        molecules = [store.molecule(i) for i in range(len(store))]
+    packs = plan_packs([len(z) for z, _ in molecules], 48, 5)
+    pairs = [len(pair_array(pos, CUTOFF)) for _, pos in molecules]
+    max_edges = 2 * max(sum(pairs[m] for m in pack) for pack in packs) + 24
+    return molecules_to_batch(molecules, [*packs, []], 48, 5, max_edges, CUTOFF).to(DEVICE)
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, name: str) -> None:
+    """Relative agreement, measured against the largest entry (sums of many terms cancel to
+    entries near zero, whose own relative error says nothing)."""
+    rtol = RTOL[want.dtype]
+    atol = rtol * want.abs().max().item()
+    torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=name)
+
+
+def pair_inputs(batch: Batch, dtype: torch.dtype, features: int = 24):
+    """x [N, F], the forward pairs' distances and mask [P], a smooth per-pair filter [P, F]
+    (zero on masked pairs, like the model's), all leaves; and the upstream gradient [N, F]."""
+    gen = torch.Generator().manual_seed(5)
+    pairs = batch.edge_index.shape[1] // 2
+    mask = batch.edge_mask[:pairs]
+    dist = edge_distance(batch.pos.to(dtype), batch.edge_index[:, :pairs], mask, CUTOFF)
+    width = torch.rand(features, generator=gen, dtype=dtype).to(DEVICE) + 0.5
+    filt = torch.exp(-dist.unsqueeze(1) * width) * torch.where(mask, 1.0, 0.0).unsqueeze(1)
+    x = torch.randn(batch.num_nodes, features, generator=gen, dtype=dtype).to(DEVICE)
+    grad = torch.randn(batch.num_nodes, features, generator=gen, dtype=dtype).to(DEVICE)
+    return x.requires_grad_(), dist.detach(), mask, filt.detach().requires_grad_(), grad
+
+
+def hermite_table_conv(x, edge_index, dist, edge_mask, values, slopes, cutoff):
+    """The contract's interpolation in plain torch (autograd gives every gradient)."""
+    knots = values.shape[0]
+    h = cutoff / (knots - 1)
+    s = dist / h
+    k = torch.clamp(torch.floor(s), 0, knots - 2)
+    t = (s - k).unsqueeze(1)
+    k = k.long()
+    filt = (
+        (2 * t**3 - 3 * t**2 + 1) * values[k]
+        + (t**3 - 2 * t**2 + t) * h * slopes[k]
+        + (-2 * t**3 + 3 * t**2) * values[k + 1]
+        + (t**3 - t**2) * h * slopes[k + 1]
+    ) * edge_mask.unsqueeze(1)
+    if filt.shape[0] < edge_index.shape[1]:
+        filt = torch.cat([filt, filt])
+    messages = x[edge_index[0]] * filt
+    return torch.zeros_like(x).index_add(0, edge_index[1], messages)
+
+
+@needs_triton
+@pytest.mark.triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_pair_symmetric_conv_equals_torch_flavour(packed_batch, dtype):
+    x, _, _, filt, grad = pair_inputs(packed_batch, dtype)
+    edge_index = packed_batch.edge_index
+    got = triton_ops.pair_symmetric_conv(x, edge_index, filt)
+    want = torch_ops.pair_symmetric_conv(x, edge_index, filt)
+    assert want.abs().max() > 0.1  # real messages reach real atoms
+    assert_close(got, want, "out")
+    got_grads = torch.autograd.grad(got, (x, filt), grad)
+    want_grads = torch.autograd.grad(want, (x, filt), grad)
+    for name, a, b in zip(("x", "filt"), got_grads, want_grads):
+        assert_close(a, b, name)
+
+
+@needs_triton
+@pytest.mark.triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("storage", ["pairs", "edges"])
+def test_table_conv_equals_hermite_reference(packed_batch, dtype, storage):
+    """Pair-symmetric storage (dist [E/2]) and one row per edge (dist [E]), with masked
+    edges; gradients in x, dist, values and slopes."""
+    x, dist, mask, _, grad = pair_inputs(packed_batch, dtype)
+    edge_index = packed_batch.edge_index
+    if storage == "edges":
+        dist, mask = torch.cat([dist, dist.flip(0)]), torch.cat([mask, mask.flip(0)])
+    assert not mask.all() and mask.any()
+    gen = torch.Generator().manual_seed(9)
+    values = torch.randn(KNOTS, x.shape[1], generator=gen, dtype=dtype).to(DEVICE)
+    slopes = torch.randn(KNOTS, x.shape[1], generator=gen, dtype=dtype).to(DEVICE)
+    leaves = (x, dist.requires_grad_(), values.requires_grad_(), slopes.requires_grad_())
+    args = (x, edge_index, dist, mask, values, slopes, CUTOFF)
+    got = triton_ops.table_conv(*args)
+    want = hermite_table_conv(*args)
+    assert_close(got, want, "out")
+    got_grads = torch.autograd.grad(got, leaves, grad)
+    want_grads = torch.autograd.grad(want, leaves, grad)
+    for name, a, b in zip(("x", "dist", "values", "slopes"), got_grads, want_grads):
+        assert_close(a, b, name)
+    assert (got_grads[1][~mask] == 0).all()  # masked edges: no force
+
+
+@needs_triton
+@pytest.mark.triton
+def test_table_conv_refuses_a_double_backward(packed_batch):
+    """Force training differentiates the forces again: the table kernels say they cannot."""
+    x, dist, mask, _, grad = pair_inputs(packed_batch, torch.float32)
+    values = torch.ones(KNOTS, x.shape[1], device=DEVICE, requires_grad=True)
+    dist.requires_grad_()
+    out = triton_ops.table_conv(x, packed_batch.edge_index, dist, mask, values, values, CUTOFF)
+    (grad_dist,) = torch.autograd.grad(out, dist, grad)  # once: fine
+    assert grad_dist.abs().max() > 0
+    with pytest.raises(ConfigError, match=r"model\.ops=torch"):
+        torch.autograd.grad(out, dist, grad, create_graph=True)
+
+
+@needs_triton
+@pytest.mark.triton
+def test_model_equals_torch_flavour_with_forces(packed_batch):
+    """SchNet with ops=triton and ops=torch, same weights, float64: predictions, forces
+    (dE/dpos through the kernels' backward) and every parameter's gradient of a loss on both
+    (a double backward, the force-training path)."""
+    results = []
+    for ops in ("torch", "triton"):
+        torch.manual_seed(4)
+        model = SchNet(hidden_channels=16, num_filters=16, num_interactions=2, graph="radius",
+                       ops=ops, mean=0.3, std=1.5).to(DEVICE, torch.float64)  # fmt: skip
+        batch = packed_batch.to(DEVICE)
+        batch.pos = batch.pos.to(torch.float64)
+        energies, forces = energy_and_forces(model, batch, create_graph=True)
+        loss = energies.square().sum() + forces.square().sum()
+        loss.backward()
+        grads = {name: p.grad for name, p in model.named_parameters()}
+        results.append((energies.detach(), forces.detach(), grads))
+    (e_torch, f_torch, g_torch), (e_triton, f_triton, g_triton) = results
+    assert f_torch.abs().max() > 0
+    assert_close(e_triton, e_torch, "energies")
+    assert_close(f_triton, f_torch, "forces")
+    for name, grad in g_torch.items():
+        assert_close(g_triton[name], grad, name)
+
+
+@needs_triton
+@pytest.mark.triton
+def test_compiled_model_keeps_the_kernels_in_one_graph(packed_batch):
+    """torch.compile(fullgraph=True) through dynamo and AOTAutograd ("aot_eager": their fake
+    tensors meet the kernels' custom ops, forward and backward) of SchNet with ops=triton:
+    no graph break, and the eager model's predictions and gradients."""
+    torch.manual_seed(4)
+    model = SchNet(hidden_channels=16, num_filters=16, num_interactions=2, graph="radius",
+                   ops="triton").to(DEVICE)  # fmt: skip
+    compiled = torch.compile(model, fullgraph=True, dynamic=False, backend="aot_eager")
+    results = []
+    for run in (compiled, model):
+        model.zero_grad()
+        pred = run(packed_batch)
+        pred.square().sum().backward()
+        results.append((pred.detach(), [p.grad.clone() for p in model.parameters()]))
+    (pred, grads), (want_pred, want_grads) = results
+    assert_close(pred, want_pred, "predictions")
+    for (name, _), got, want in zip(model.named_parameters(), grads, want_grads):
+        assert_close(got, want, name)
+
+
+def schnet_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    return masked_mse(model(batch), batch.y + 1.0, batch.graph_mask, 1.0)
+
+
+@needs_triton
+@pytest.mark.triton
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("compile", [False, True])
+def test_captured_fused_step_trains_like_eager_torch_ops(packed_batch, compile):
+    """ops=triton inside the captured CUDA graph (with backend.compile: inductor around the
+    kernels) follows the eager torch-flavour step, captures once and never recompiles."""
+    runs = []
+    for ops, graphs, compiled in (("torch", False, False), ("triton", True, compile)):
+        torch.manual_seed(4)
+        model = SchNet(hidden_channels=16, num_filters=16, num_interactions=2, graph="radius",
+                       ops=ops)  # fmt: skip
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+        backend = TorchBackend(model, optimizer, schnet_loss, device="cuda",
+                               cuda_graphs=graphs, compile=compiled)  # fmt: skip
+        losses = [backend.train_call([packed_batch])[0]["loss"].item()]
+        graphs_after_first = backend.compiled_graphs
+        losses += [backend.train_call([packed_batch])[0]["loss"].item() for _ in range(4)]
+        assert backend.compiled_graphs == graphs_after_first
+        runs.append((backend, losses))
+    (eager, eager_losses), (fused, fused_losses) = runs
+    assert fused.graph_captures == 1
+    assert fused_losses == pytest.approx(eager_losses, rel=1e-4)
+    for got, want in zip(fused.model.parameters(), eager.model.parameters()):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_missing_triton_is_a_config_error(monkeypatch):
+    monkeypatch.setattr(triton_ops, "AVAILABLE", False)
+    with pytest.raises(ConfigError, match=r"model\.ops=torch"):
+        get_ops("triton")
+
+
+def test_cpu_tensors_without_interpreter_are_refused(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    x = torch.ones(3, 4)
+    edge_index = torch.tensor([[0, 1], [1, 0]])
+    with pytest.raises(ConfigError, match="CUDA tensors"):
+        triton_ops.pair_symmetric_conv(x, edge_index, torch.ones(1, 4))
+
+
+def test_table_conv_refuses_mismatched_rows():
+    x = torch.ones(3, 4)
+    edge_index = torch.tensor([[0, 1, 2], [1, 2, 0]])
+    dist, mask = torch.ones(2), torch.ones(2, dtype=torch.bool)
+    with pytest.raises(ValueError, match="need E or E/2"):
+        triton_ops.table_conv(x, edge_index, dist, mask, torch.ones(5, 4), torch.ones(5, 4), 6.0)
+
+
+def test_hermite_reference_reproduces_a_cubic():
+    """The test's own reference is right: cubic Hermite interpolation is exact for a cubic
+    given its values and derivatives at the knots."""
+    grid = torch.linspace(0.0, CUTOFF, KNOTS, dtype=torch.float64)
+    coefficients = torch.tensor([0.3, -1.2, 0.5, -0.04], dtype=torch.float64)
+    values = sum(c * grid**n for n, c in enumerate(coefficients)).unsqueeze(1)
+    slopes = sum(n * c * grid ** (n - 1) for n, c in enumerate(coefficients) if n).unsqueeze(1)
+    dist = torch.tensor([0.0, 0.05, 1.234, 3.0, 5.99, CUTOFF], dtype=torch.float64)
+    exact = sum(c * dist**n for n, c in enumerate(coefficients))
+    edge_index = torch.stack([torch.zeros(6, dtype=torch.long), torch.arange(6)])
+    x = torch.ones(6, 1, dtype=torch.float64)
+    mask = torch.ones(6, dtype=torch.bool)
+    out = hermite_table_conv(x, edge_index, dist, mask, values, slopes, CUTOFF)
+    torch.testing.assert_close(out[:, 0], exact, rtol=1e-12, atol=1e-12)
