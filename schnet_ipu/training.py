@@ -21,7 +21,6 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -31,7 +30,6 @@ from schnet_ipu.backends import Backend, select_device
 from schnet_ipu.backends.distributed import (
     ReplicaInfo,
     broadcast_parameters,
-    from_rank0,
     init_replica,
     launch_replicas,
     prepare_once,
@@ -40,37 +38,17 @@ from schnet_ipu.backends.distributed import (
     shutdown_replica,
 )
 from schnet_ipu.budget import Budget, WeightAverage
-from schnet_ipu.checkpoint import (
-    check_same_run,
-    load_checkpoint,
-    restoring,
-    rng_state,
-    save_checkpoint,
-    set_rng_state,
-)
+from schnet_ipu.checkpoint import load_checkpoint, save_checkpoint
 from schnet_ipu.components import make_scheduler, make_trainer, model_spec
 from schnet_ipu.config import Config
-from schnet_ipu.errors import UserError
 from schnet_ipu.loader import PackedLoader
-from schnet_ipu.pipeline import make_loader, prepare_data
+from schnet_ipu.pipeline import PreparedData, make_loader, prepare_data
+from schnet_ipu.run_state import Progress, RunState, TrainingError, read_resume
 from schnet_ipu.runlock import hold_run_lock, launcher_rank
 from schnet_ipu.runlog import RunLog, plot_learning_curve, read_records, truncate_after
 from schnet_ipu.task import Task, evaluate, trivial_baselines
 
 log = logging.getLogger("schnet_ipu")
-
-
-class TrainingError(UserError, RuntimeError):
-    """Training cannot go on (a non-finite loss, say); the last good checkpoint is kept."""
-
-
-@dataclass
-class Progress:
-    """Where a run stands: the next epoch, host calls done in it, the best validation MAE."""
-
-    epoch: int = 0
-    call: int = 0
-    best_mae: float = math.inf
 
 
 def train(cfg: Config, fresh: bool = False) -> dict:
@@ -111,44 +89,18 @@ def run(cfg: Config, fresh: bool = False) -> None:
     steps = len(train_loader) * cfg.backend.device_iterations
     scheduler = make_scheduler(cfg, optimizer, steps, budget)
     average = WeightAverage(model, cfg.optim.ema_decay) if cfg.optim.ema_decay else None
+    spec = model_spec(cfg, data, model, task).to_dict()
+    state = RunState(cfg, model, optimizer, scheduler, spec, budget, average)
     progress = Progress()
     if resume is not None:
-        with restoring(last_path):
-            model.load_state_dict(resume.get("train_model", resume["model"]))
-            if average is not None:
-                average.load(resume["model"], resume["ema"])
-            optimizer.load_state_dict(resume["optimizer"])
-            scheduler.load_state_dict(resume["scheduler"])
-            set_rng_state(resume["rng"])
-            progress = Progress(
-                int(resume["epoch"]), int(resume["call"]), float(resume["best_mae"])
-            )
+        progress = state.restore(resume, last_path)
         backend.after_host_weight_load()
         log.info("resuming %s at epoch %d, host call %d", run_dir, progress.epoch, progress.call)
     runlog = open_run_dir(cfg, run_dir, fresh, progress if resume else None, data.timings, replica)
-    spec = model_spec(cfg, data, model, task).to_dict()
 
     def checkpoint(path: Path) -> None:
-        if runlog is None:  # rank 0 writes
-            return
-        if not all(torch.isfinite(p).all() for p in model.parameters()):
-            raise TrainingError(f"non-finite weights at epoch {progress.epoch}; {path} not written")
-        state = {
-            # what evaluation and model files use: the average of the weights when kept
-            "model": model.state_dict() if average is None else average.averaged_state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "rng": rng_state(),
-            "epoch": progress.epoch,
-            "call": progress.call,
-            "best_mae": progress.best_mae,
-            "config": cfg.to_dict(),
-            "model_spec": spec,
-            "budget_seconds": budget.seconds,
-        }
-        if average is not None:  # the weights training goes on from, for an exact resume
-            state.update(train_model=model.state_dict(), ema=average.state())
-        save_checkpoint(path, state)
+        if runlog is not None:  # rank 0 writes
+            save_checkpoint(path, state.checkpoint(progress))
 
     stop = StopFlag()
     # Ctrl-C anywhere in an epoch (training, validation, checkpoints) is a stop request:
@@ -173,12 +125,9 @@ def run(cfg: Config, fresh: bool = False) -> None:
                 scheduler.step(val["mae"])
                 backend.optimizer_changed()
             improved = val["mae"] < progress.best_mae
-            best_mae = min(progress.best_mae, val["mae"])
-            calls = stats["calls"]  # fewer than the epoch's when the budget ended it
-            whole = calls == len(train_loader)
-            progress = (
-                Progress(epoch + 1, 0, best_mae) if whole else Progress(epoch, calls, best_mae)
-            )
+            best, calls = min(progress.best_mae, val["mae"]), stats["calls"]
+            whole = calls == len(train_loader)  # else the budget ended the epoch
+            progress = Progress(epoch + 1, 0, best) if whole else Progress(epoch, calls, best)
             if runlog is not None:
                 stats.update(
                     budget_seconds=budget.seconds, epoch_fraction=calls / len(train_loader)
@@ -192,9 +141,6 @@ def run(cfg: Config, fresh: bool = False) -> None:
             if stop.requested:
                 log.info("interrupted: saved %s after epoch %d; re-run to resume", last_path, epoch)
                 raise SystemExit(130)
-            if budget.exhausted():
-                log.info("budget of %.1f min spent in epoch %d", budget.total / 60, epoch)
-                break
 
     if runlog is not None:  # rank 0 wrote best.pt; the others get its weights through the group
         model.load_state_dict(load_checkpoint(best_path)["model"])
@@ -203,48 +149,11 @@ def run(cfg: Config, fresh: bool = False) -> None:
     backend.after_host_weight_load()
     test = evaluate(task, backend, make_loader(cfg, data, "test", rank, world), "test", world)
     if runlog is not None:
-        final = {f"test_{k}": v for k, v in test.items() if k != "molecules"}
-        baselines = trivial_baselines(data, "test", task.with_forces)
-        final["baseline_test_mae"] = baselines.pop("baseline_mae")
-        runlog.write(
-            "final",
-            **final,
-            **baselines,
-            best_val_mae=progress.best_mae,
-            unit=data.unit,
-            test_molecules=test["molecules"],
-            recompilations=backend.recompilations,
-            cuda_graph_captures=backend.graph_captures,  # > 1: a re-capture
-            budget_seconds=budget.seconds,
-            wall_seconds=time.perf_counter() - wall_start,
-        )
-        log.info(
-            "test MAE %.4f %s (RMSE %.4f); dressed-atom baseline MAE %.4f %s",
-            test["mae"],
-            data.unit,
-            test["rmse"],
-            final["baseline_test_mae"],
-            data.unit,
-        )
-        if cfg.logging.plot:
-            plot_learning_curve(
-                run_dir / "metrics.jsonl", run_dir / "learning_curve.png", data.unit
-            )
-        runlog.close()
+        extra = {"best_val_mae": progress.best_mae, "budget_seconds": budget.seconds}
+        extra.update(recompilations=backend.recompilations)
+        extra.update(cuda_graph_captures=backend.graph_captures)  # > 1: a re-capture
+        write_final(runlog, cfg, data, task, test, extra, time.perf_counter() - wall_start)
     shutdown_replica()
-
-
-def read_resume(
-    cfg: Config, last_path: Path, fresh: bool, replica: ReplicaInfo
-) -> dict[str, Any] | None:
-    """The checkpoint to resume from (rank 0 reads it, every rank gets it), checked to be
-    this config's run; None for a new run or with ``fresh``."""
-    main = replica.is_main
-    resume = load_checkpoint(last_path) if main and last_path.exists() and not fresh else None
-    resume = from_rank0(resume, replica)  # instances on other hosts may not see the run dir
-    if resume is not None:
-        check_same_run(resume["config"], cfg.to_dict(), last_path.parent.parent)
-    return resume
 
 
 def open_run_dir(
@@ -308,6 +217,42 @@ def write_epoch(
         unit,
         stats["molecules_per_s"],
     )
+
+
+def write_final(
+    runlog: RunLog,
+    cfg: Config,
+    data: PreparedData,
+    task: Task,
+    test: dict[str, float],
+    extra: dict[str, float],
+    wall_seconds: float,
+) -> None:
+    """The final record (test errors beside the trivial baselines), the log line, the plot."""
+    final = {f"test_{k}": v for k, v in test.items() if k != "molecules"}
+    baselines = trivial_baselines(data, "test", task.with_forces)
+    final["baseline_test_mae"] = baselines.pop("baseline_mae")
+    runlog.write(
+        "final",
+        **final,
+        **baselines,
+        **extra,
+        unit=data.unit,
+        test_molecules=test["molecules"],
+        wall_seconds=wall_seconds,
+    )
+    log.info(
+        "test MAE %.4f %s (RMSE %.4f); dressed-atom baseline MAE %.4f %s",
+        test["mae"],
+        data.unit,
+        test["rmse"],
+        final["baseline_test_mae"],
+        data.unit,
+    )
+    run_dir = runlog.path.parent
+    if cfg.logging.plot:
+        plot_learning_curve(run_dir / "metrics.jsonl", run_dir / "learning_curve.png", data.unit)
+    runlog.close()
 
 
 def train_epoch(
