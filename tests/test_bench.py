@@ -198,3 +198,16 @@ def test_balance(store: Path, tmp_path: Path) -> None:
     assert all(r["straggler"] >= 1 and r["epoch_s"] > 0 for r in rows)
     packs = [r for r in rows if r["batching"] == "packs" and r["steps"] * 2 == r["batches"]]
     assert all(r["predicted_straggler"] == pytest.approx(1.0) for r in packs)
+
+
+def test_accuracy(store: Path, tmp_path: Path) -> None:
+    from schnet_ipu.bench import accuracy
+
+    shrink = ("data.val=30", "data.test=30", "model.hidden_channels=16", "model.num_filters=16")
+    report = accuracy.run_accuracy(store, 0.02, 0, tmp_path, shrink)
+    loaded = check_report(report, "accuracy", tmp_path, accuracy)
+    ours, stock = loaded["results"]
+    for row in (ours, stock):
+        assert row["test_mae"] > 0 and row["molecules_seen"] > 0 and row["curve"]
+    assert (tmp_path / "accuracy_vs_time.png").stat().st_size > 0
+    assert loaded["ratios"]["test_mae_ours_over_pyg"] > 0

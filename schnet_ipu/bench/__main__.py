@@ -8,7 +8,8 @@ Suites: throughput, ablation, batching, loader, scaling, model (forward+backward
 PyG's SchNet), replication (replicas x gradient reduction), gpu (full QM9 epochs against
 stock PyG on a GPU), dense (dense vs sparse message passing), balance (cost-model grouping
 across replicas), calculator (a model file in use: ASE calculator and exported-file latency,
-MD steps per second). Each prints a table and writes ``SUITE.json``, ``SUITE.md`` and
+MD steps per second), accuracy (test MAE after ``--minutes`` of training, ours against
+stock PyG SchNet). Each prints a table and writes ``SUITE.json``, ``SUITE.md`` and
 ``SUITE.png`` in ``--out-dir``; the report records the command that made it.
 """
 
@@ -35,6 +36,7 @@ SUITES = (
     "dense",
     "balance",
     "calculator",
+    "accuracy",
 )
 
 
@@ -46,7 +48,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out-dir", default="bench_results", help="reports and plots")
     parser.add_argument("--store", default=QM9_STORE, help="QM9 molecule store")
     parser.add_argument("--device", default=None, help="gpu suite: cuda (default) or cpu")
-    parser.add_argument("--subset", type=int, default=None, help="gpu suite: molecules used")
+    parser.add_argument(
+        "--subset", type=int, default=None, help="gpu and accuracy suites: molecules used"
+    )
+    parser.add_argument(
+        "--minutes", type=float, default=None, help="accuracy suite: minutes each side (10)"
+    )
     parser.add_argument("--set", action="append", default=[], help="gpu suite: key=value")
     parser.add_argument(
         "--molecules-per-step", type=int, default=None, help="gpu suite: ours, about (32)"
@@ -63,13 +70,21 @@ def main(argv: list[str] | None = None) -> dict:
         "profile": args.profile,
     }
     gpu_options = {key: value for key, value in gpu_options.items() if value is not None}
+    if args.suite == "accuracy":
+        gpu_options.pop("subset", None)
+        options = {"minutes": args.minutes or 10.0, "subset": args.subset or 0}
+        options["out_dir"] = args.out_dir
+    elif args.minutes is not None:
+        parser.error("--minutes is an accuracy suite option")
+    else:
+        options = gpu_options
     if gpu_options and args.suite != "gpu":
         parser.error(
             "--device, --subset, --molecules-per-step, --set and --profile are gpu suite options"
         )
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     suite = importlib.import_module(f"schnet_ipu.bench.{args.suite}")
-    report = suite.run(args.quick, args.store, **gpu_options)
+    report = suite.run(args.quick, args.store, **options)
     argv = sys.argv[1:] if argv is None else argv
     report["command"] = shlex.join(["python", "-m", "schnet_ipu.bench", *argv])
     write_report(report, suite.COLUMNS, suite.PLOT, args.out_dir, args.json)

@@ -1,0 +1,205 @@
+"""Accuracy at equal wall time: our trainer and stock PyG SchNet, M minutes each.
+
+    python -m schnet_ipu.bench accuracy --minutes 10 [--json out.json] [--out-dir DIR]
+
+One after the other on the same machine, in one process tree, on the same split of the
+same store (full QM9 U0 by default; ``--subset N`` for a sample) with the same model size
+(``configs/qm9.yaml``'s model section):
+
+* ours: ``configs/qm9.yaml`` with ``optim.max_minutes=M`` (its recipe: schedule, EMA,
+  molecules per step), trained by ``train.py``'s own loop; test MAE of its best-validation
+  weights from the final record, validation MAE against the budget's seconds from
+  ``metrics.jsonl``;
+* stock PyG: ``torch_geometric.nn.models.SchNet`` (radius graph in plain torch, targets standardised by
+  its ``mean``/``std`` per atom), ``DataLoader`` batches of 32, Adam 1e-3 with a cosine
+  over the M minutes, validated every M x 3 s (20 points), the best-validation weights
+  tested at the end.
+
+The report holds each side's test MAE, molecules seen, epochs and the validation MAE
+against elapsed seconds, and draws them (``accuracy_vs_time.png`` in ``--out-dir``).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from schnet_ipu.bench.common import new_report, ratio
+from schnet_ipu.bench.throughput import RadiusInteractionGraph
+from schnet_ipu.config import apply_override, load_config, validate
+from schnet_ipu.pipeline import PreparedData, prepare_data
+from schnet_ipu.runlog import read_records
+from schnet_ipu.training import train
+
+PAPER_CONFIG = Path(__file__).resolve().parents[2] / "configs/qm9.yaml"
+COLUMNS = ["name", "test_mae", "best_val_mae", "molecules_seen", "epochs", "seconds"]
+PLOT = ("name", "test_mae", "test MAE after equal wall time (eV)")
+
+
+def pyg_split(data: PreparedData, split: str) -> list:
+    """A split's molecules as PyG ``Data`` (z, pos, y: the target minus atom references)."""
+    from torch_geometric.data import Data
+
+    items = []
+    for index in data.split[split].tolist():
+        z, pos = data.store.molecule(index)
+        y = torch.tensor([data.targets[index]], dtype=torch.float32)
+        items.append(Data(z=torch.from_numpy(z.astype(np.int64)), pos=torch.from_numpy(pos), y=y))
+    return items
+
+
+def pyg_mae(model: torch.nn.Module, items: list) -> float:
+    from torch_geometric.loader import DataLoader
+
+    model.eval()
+    errors = []
+    with torch.no_grad():
+        for batch in DataLoader(items, batch_size=128):
+            errors.append((model(batch.z, batch.pos, batch.batch) - batch.y.view(-1, 1)).abs())
+    model.train()
+    return float(torch.cat(errors).mean())
+
+
+def stock_pyg(data: PreparedData, model_cfg, minutes: float) -> dict:
+    """Stock PyG SchNet for ``minutes`` (see the module docstring)."""
+    from torch_geometric.loader import DataLoader
+    from torch_geometric.nn.models import SchNet as PygSchNet
+
+    train_items, val_items = pyg_split(data, "train"), pyg_split(data, "val")
+    train_index = data.split["train"]
+    per_atom = data.targets[train_index] / data.store.num_atoms[train_index]
+    torch.manual_seed(0)
+    model = PygSchNet(
+        hidden_channels=model_cfg.hidden_channels,
+        num_filters=model_cfg.num_filters,
+        num_interactions=model_cfg.num_interactions,
+        num_gaussians=model_cfg.num_gaussians,
+        cutoff=model_cfg.cutoff,
+        mean=float(per_atom.mean()),
+        std=float(per_atom.std()),
+        interaction_graph=RadiusInteractionGraph(model_cfg.cutoff),  # no torch-cluster needed
+    )
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    loader = DataLoader(train_items, batch_size=32, shuffle=True)
+    budget, every = 60.0 * minutes, 3.0 * minutes
+    curve, best, best_state = [], math.inf, copy.deepcopy(model.state_dict())
+    seen, start, next_val = 0, time.perf_counter(), every
+    while time.perf_counter() - start < budget:
+        for batch in loader:
+            elapsed = time.perf_counter() - start
+            if elapsed >= budget:
+                break
+            for group in optimizer.param_groups:  # cosine over the wall-clock budget
+                group["lr"] = 1e-3 * 0.5 * (1 + math.cos(math.pi * elapsed / budget))
+            loss = (model(batch.z, batch.pos, batch.batch) - batch.y.view(-1, 1)).square().mean()
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            seen += batch.num_graphs
+            if time.perf_counter() - start >= next_val:
+                next_val += every
+                mae = pyg_mae(model, val_items)
+                curve.append((time.perf_counter() - start, mae))
+                if mae < best:
+                    best, best_state = mae, copy.deepcopy(model.state_dict())
+    mae = pyg_mae(model, val_items)
+    curve.append((time.perf_counter() - start, mae))
+    if mae < best:
+        best, best_state = mae, copy.deepcopy(model.state_dict())
+    model.load_state_dict(best_state)
+    return {
+        "name": "stock PyG SchNet",
+        "test_mae": pyg_mae(model, pyg_split(data, "test")),
+        "best_val_mae": best,
+        "molecules_seen": seen,
+        "epochs": seen / len(train_items),
+        "seconds": budget,
+        "curve": curve,
+    }
+
+
+def ours(cfg_overrides: list[str], minutes: float, run_dir: Path) -> dict:
+    cfg = load_config(PAPER_CONFIG, cfg_overrides)
+    for item in (
+        f"optim.max_minutes={minutes}",
+        "optim.epochs=100000",
+        "logging.progress=false",
+        "logging.plot=false",
+        f"logging.run_dir={run_dir}",
+    ):
+        apply_override(cfg, item)
+    validate(cfg)
+    final = train(cfg, fresh=True)
+    epochs = read_records(run_dir / "metrics.jsonl", "epoch")
+    return {
+        "name": "ours (configs/qm9.yaml)",
+        "test_mae": final["test_mae"],
+        "best_val_mae": final["best_val_mae"],
+        "molecules_seen": sum(
+            r["molecules_per_s"] * r["epoch_seconds"] for r in epochs
+        ),  # each epoch's rate x its time
+        "epochs": sum(r["epoch_fraction"] for r in epochs),
+        "seconds": final["budget_seconds"],
+        "curve": [(r["budget_seconds"], r["val_mae"]) for r in epochs],
+    }
+
+
+def plot_curves(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for row in rows:
+        seconds, mae = zip(*row["curve"])
+        ax.plot(np.array(seconds) / 60, mae, "o-", ms=3, label=row["name"])
+    ax.set(xlabel="minutes of training", ylabel="validation MAE (eV)", yscale="log")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_accuracy(
+    store: str | Path,
+    minutes: float,
+    subset: int = 0,
+    out_dir: str | Path = "bench_results",
+    overrides: tuple[str, ...] = (),
+) -> dict:
+    """Both sides on ``configs/qm9.yaml``'s data and model with ``overrides`` applied."""
+    shared = [f"data.path={store}", f"data.subset={subset}", *overrides]
+    with tempfile.TemporaryDirectory() as folder:
+        mine = ours(shared, minutes, Path(folder) / "run")
+        cfg = load_config(PAPER_CONFIG, shared)
+        stock = stock_pyg(prepare_data(cfg), cfg.model, minutes)
+    rows = [mine, stock]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    plot_curves(rows, out / "accuracy_vs_time.png")
+    ratios = {"test_mae_ours_over_pyg": ratio(mine["test_mae"], stock["test_mae"])}
+    notes = [
+        f"{minutes} min each, one after the other; threads {torch.get_num_threads()}",
+        "curves: validation MAE against seconds of training (ours: the budget's count)",
+        f"accuracy_vs_time.png in {out}",
+    ]
+    return new_report("accuracy", rows, ratios, notes)
+
+
+def run(
+    quick: bool,
+    store: str | Path,
+    minutes: float = 10.0,
+    subset: int = 0,
+    out_dir: str | Path = "bench_results",
+) -> dict:
+    if quick:
+        return run_accuracy(store, min(minutes, 1.0), subset or 4000, out_dir)
+    return run_accuracy(store, minutes, subset, out_dir)
