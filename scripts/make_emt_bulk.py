@@ -69,11 +69,14 @@ def make_frame(rng: np.random.Generator, kind: str, strain: float, rattle: float
 
 
 def labelled(atoms: Atoms) -> Atoms:
-    """A copy of ``atoms`` carrying EMT's energy, forces and stress as a single-point result."""
+    """A copy of ``atoms`` carrying EMT's energy, forces and (periodic frames) stress as a
+    single-point result."""
     atoms = atoms.copy()
     atoms.calc = EMT()
-    energy, forces, stress = atoms.get_potential_energy(), atoms.get_forces(), atoms.get_stress()
-    atoms.calc = SinglePointCalculator(atoms, energy=energy, forces=forces, stress=stress)
+    results = {"energy": atoms.get_potential_energy(), "forces": atoms.get_forces()}
+    if atoms.pbc.any():
+        results["stress"] = atoms.get_stress()
+    atoms.calc = SinglePointCalculator(atoms, **results)
     return atoms
 
 
