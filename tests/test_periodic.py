@@ -21,6 +21,7 @@ from ase.calculators.emt import EMT
 from ase.neighborlist import neighbor_list
 from batches import assert_same_batches, epoch_batches
 
+from schnet_ipu.backends.poptorch_ops import check_poptorch_ops
 from schnet_ipu.batch import Batch
 from schnet_ipu.data import MoleculeStore, StoreError, edge_counts, import_ase
 from schnet_ipu.data.periodic_pairs import (
@@ -341,3 +342,12 @@ def batch_of_exact(atoms: Atoms) -> Batch:
     pos = batch.pos.clone()
     pos[: len(atoms)] = torch.from_numpy(atoms.positions)
     return dataclasses.replace(batch, pos=pos, cell=torch.from_numpy(atoms.cell.array)[None])
+
+
+def test_the_ipu_flavour_runs_periodic_batches_with_ops_poptorch_lowers():
+    torch.manual_seed(0)
+    net = SchNet(16, 16, 2, 20, CUTOFF, graph="radius", ops="ipu")
+    batch = batch_of(triclinic(True, repeat=(2, 1, 1)))
+    batch = dataclasses.replace(batch, pos=batch.pos.float(), cell=batch.cell.float())
+    energy = check_poptorch_ops(lambda: net(batch).sum())
+    assert torch.isfinite(energy)
