@@ -107,11 +107,15 @@ def build_periodic_pairs(
     positions: np.ndarray | None = None,
     progress: bool = False,
 ) -> PeriodicPairs:
-    """Every frame's half list (:func:`frame_pairs`), frame after frame, as one PeriodicPairs."""
+    """Every frame's half list (as :func:`frame_pairs`) as one PeriodicPairs: vesin frame
+    after frame (one neighbour-list object, reused), then one vectorised pass puts all
+    pairs in canonical form and order (per-frame numpy calls cost more than vesin itself
+    on 32-atom frames)."""
     pos = store.concatenated()[1] if positions is None else positions
     cells, pbcs = store.cells()
     sizes = store.num_atoms
     dtype = np.min_scalar_type(max(int(sizes.max()) - 1, 0))
+    neighbours = _neighbour_list(cutoff)
     found = []
     frames = tqdm(
         range(len(store)),
@@ -123,17 +127,20 @@ def build_periodic_pairs(
     )
     for m in frames:
         lo, hi = store.offsets[m], store.offsets[m + 1]
-        try:
-            found.append(frame_pairs(pos[lo:hi], cells[m], pbcs[m], cutoff))
-        except PairCountError as err:
-            raise PairCountError(f"{store.record_name(m)}: {err}") from None
+        found.append(_vesin_pairs(neighbours, pos[lo:hi], cells[m], pbcs[m]))
     counts = np.array([len(i) for i, _, _ in found], dtype=np.int64)
+    frame = np.repeat(np.arange(len(store)), counts)
+    i, j, shift = (np.concatenate([f[k] for f in found]) for k in range(3))
+    try:
+        i, j, shift = _canonical(i.astype(np.int64), j.astype(np.int64), shift, frame, cutoff)
+    except PairCountError as err:
+        raise PairCountError(f"{store.record_name(int(err.args[1]))}: {err.args[0]}") from None
     return PeriodicPairs(
-        i=np.concatenate([np.zeros(0, dtype), *(i.astype(dtype) for i, _, _ in found)]),
-        j=np.concatenate([np.zeros(0, dtype), *(j.astype(dtype) for _, j, _ in found)]),
+        i=i.astype(dtype),
+        j=j.astype(dtype),
         offsets=np.concatenate([[0], np.cumsum(counts)]),
         cutoff=float(cutoff),
-        shift=np.concatenate([np.zeros((0, 3), SHIFT_DTYPE), *(s for _, _, s in found)]),
+        shift=shift,
     )
 
 
@@ -143,28 +150,56 @@ def frame_pairs(
     """One frame's half list: (i int64 [P], j int64 [P], shift int8 [P, 3]) with i < j, or
     i == j and S lexicographically positive, sorted by (i, j, S). pos [n, 3] Angstrom, cell
     [3, 3] (rows), pbc bool [3]. The full list is these and every (j, i, -S)."""
+    i, j, shift = _vesin_pairs(_neighbour_list(cutoff), pos, cell, pbc)
+    frame = np.zeros(len(i), dtype=np.int64)
+    try:
+        return _canonical(i.astype(np.int64), j.astype(np.int64), shift, frame, cutoff)
+    except PairCountError as err:
+        raise PairCountError(err.args[0]) from None
+
+
+def _neighbour_list(cutoff: float):
+    """vesin's half-list builder at ``cutoff``, on one thread (frames are small: threads
+    cost more than they save)."""
     import vesin
 
+    return vesin.NeighborList(cutoff=float(cutoff), full_list=False, n_threads=1)
+
+
+def _vesin_pairs(
+    neighbours, pos: np.ndarray, cell: np.ndarray, pbc: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """vesin's half list of one frame as it comes: (i [P], j [P], shift int32 [P, 3])."""
     pbc = np.asarray(pbc, dtype=bool)
     box = np.asarray(cell, dtype=np.float64) if pbc.any() else np.zeros((3, 3))
-    neighbours = vesin.NeighborList(cutoff=float(cutoff), full_list=False)
-    i, j, shift = neighbours.compute(
+    return neighbours.compute(
         np.asarray(pos, dtype=np.float64), box, pbc.tolist(), quantities="ijS"
     )
-    i, j, shift = i.astype(np.int64), j.astype(np.int64), shift.astype(np.int64)
-    # flip a pair to (j, i, -S) when i > j, or i == j with S lexicographically negative
+
+
+def _canonical(
+    i: np.ndarray, j: np.ndarray, shift: np.ndarray, frame: np.ndarray, cutoff: float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Pairs of many frames (``frame`` [P], sorted) in canonical form: (j, i, -S) where i > j,
+    or i == j with S lexicographically negative; sorted by (frame, i, j, S); int8 shifts.
+    PairCountError(message, frame) for a shift int8 cannot hold."""
+    shift = shift.astype(np.int64)
     first = np.where(
         shift[:, 0] != 0, shift[:, 0], np.where(shift[:, 1] != 0, shift[:, 1], shift[:, 2])
-    )
+    )  # the first nonzero component
     flip = (i > j) | ((i == j) & (first < 0))
     i, j = np.where(flip, j, i), np.where(flip, i, j)
     shift = np.where(flip[:, None], -shift, shift)
-    if len(shift) and np.abs(shift).max() > np.iinfo(SHIFT_DTYPE).max:
+    limit = np.iinfo(SHIFT_DTYPE).max
+    too_far = np.abs(shift).max(axis=1, initial=0) > limit
+    if too_far.any():
+        p = int(np.flatnonzero(too_far)[0])
         raise PairCountError(
-            f"a pair spans {int(np.abs(shift).max())} cells (at most "
-            f"{np.iinfo(SHIFT_DTYPE).max}); the cell is far smaller than the cutoff {cutoff:g}"
+            f"a pair spans {int(np.abs(shift[p]).max())} cells (at most {limit}); the cell is "
+            f"far smaller than the cutoff {cutoff:g} (or degenerate)",
+            int(frame[p]),
         )
-    order = np.lexsort((shift[:, 2], shift[:, 1], shift[:, 0], j, i))
+    order = np.lexsort((shift[:, 2], shift[:, 1], shift[:, 0], j, i, frame))
     return i[order], j[order], shift[order].astype(SHIFT_DTYPE)
 
 
