@@ -56,6 +56,7 @@ class Batch:
     forces: Tensor | None = None  # [N, 3] float32 target forces, 0 on padding; stores with forces
     edge_shift: Tensor | None = None  # [E, 3] int32 integer cell shifts; periodic batches only
     cell: Tensor | None = None  # [G, 3, 3] float32 lattice vectors as rows; periodic batches only
+    stress: Tensor | None = None  # [G, 3, 3] float32 target stress, 0 on padding; stores with it
 
     @property
     def num_nodes(self) -> int:
@@ -166,4 +167,5 @@ def stack_batches(batches: list[Batch]) -> Batch:
         forces=cat("forces") if all(b.forces is not None for b in batches) else None,
         edge_shift=edge_shift,
         cell=cat("cell") if all(b.cell is not None for b in batches) else None,
+        stress=cat("stress") if all(b.stress is not None for b in batches) else None,
     )

@@ -63,6 +63,7 @@ class FeedArrays:
     cell: Tensor | None = None  # float32 [M, 3, 3] lattice vectors (rows); periodic stores only
     pair_shift: Tensor | None = None  # int8 [P + 1, 3] cell shift S of each pair (last: 0);
     # periodic stores' radius graphs only
+    stress: Tensor | None = None  # float32 [M, 3, 3] target stress; stores with stress only
 
     @classmethod
     def from_store(
@@ -80,10 +81,21 @@ class FeedArrays:
             z, pos = store.concatenated() if atoms is None else atoms
             forces = store.forces() if store.has_forces else None
             cell = store.cells()[0] if store.periodic else None
+            stress = store.stress() if store.has_stress else None
         except OSError as err:
             raise LoaderError(f"cannot read the molecules of {store.path}: {err}") from err
+        source = str(store.path)
         arrays = cls.build(
-            z, pos, forces, store.offsets, targets, pairs, store.ids, str(store.path), cell=cell
+            z,
+            pos,
+            forces,
+            store.offsets,
+            targets,
+            pairs,
+            store.ids,
+            source,
+            cell=cell,
+            stress=stress,
         )
         return arrays.to(device)
 
@@ -100,9 +112,11 @@ class FeedArrays:
         source: str,
         store_index: np.ndarray | None = None,
         cell: np.ndarray | None = None,
+        stress: np.ndarray | None = None,
     ) -> FeedArrays:
         """CPU feed arrays from numpy: ``offsets`` int [M + 1] splits z [A] / pos [A, 3];
-        ``cell`` [M, 3, 3] for periodic stores (whose ``pairs`` are PeriodicPairs).
+        ``cell`` [M, 3, 3] for periodic stores (whose ``pairs`` are PeriodicPairs), and
+        their target ``stress`` [M, 3, 3] when the store has it.
 
         Each per-atom and per-pair array gets one zero entry at its end: padding atoms and
         padding edges of a batch are gathered from it (z 0, position 0, local atoms 0, no
@@ -126,6 +140,7 @@ class FeedArrays:
             source=source,
             store_index=None if store_index is None else torch.as_tensor(store_index),
             cell=None if cell is None else torch.from_numpy(np.asarray(cell, np.float32)),
+            stress=None if stress is None else torch.from_numpy(np.asarray(stress, np.float32)),
             pair_shift=(
                 _with_zero_entry(pairs.shift) if isinstance(pairs, PeriodicPairs) else None
             ),
@@ -232,7 +247,7 @@ class _Outputs:
     ) -> None:
         self.device, self.pin = device, pin and device.type == "cpu"
         use_buffers = buffers is not None and device.type == "cpu" and not self.pin
-        slack = 16 * self.ALIGN  # room to align each of the (at most 12) tensors
+        slack = 16 * self.ALIGN  # room to align each of the (at most 13) tensors
         self.memory = buffers.take(nbytes + slack) if use_buffers else None
         self.used = 0
 
@@ -265,6 +280,7 @@ class Assembled:
     forces: Tensor | None  # float32 [K, N, 3]
     edge_shift: Tensor | None = None  # int32 [K, E, 3] (periodic radius graphs)
     cell: Tensor | None = None  # float32 [K, G, 3, 3] (periodic stores)
+    stress: Tensor | None = None  # float32 [K, G, 3, 3] (stores with stress)
     num_molecules: list[int] | None = None  # [K] real molecules per batch, when known on the host
 
 
@@ -402,7 +418,9 @@ def assemble(
     than by the torch program below; both give the same bytes.
     """
     K = len(pack_lengths) // layout.packs_per_batch
-    nbytes = K * layout.batch_bytes(arrays.forces is not None, arrays.cell is not None)
+    nbytes = K * layout.batch_bytes(
+        arrays.forces is not None, arrays.cell is not None, arrays.stress is not None
+    )
     output = _Outputs(nbytes, arrays.device, pin, buffers)
     if compiled is None:
         compiled = compiled_feed.AVAILABLE
@@ -450,6 +468,11 @@ def assemble(
         cell = output((K * G, 3, 3), torch.float32).fill_(0)
         cell[flat_slot] = arrays.cell[molecules]
         cell = cell.view(K, G, 3, 3)
+    stress = None
+    if arrays.stress is not None:
+        stress = output((K * G, 3, 3), torch.float32).fill_(0)
+        stress[flat_slot] = arrays.stress[molecules]
+        stress = stress.view(K, G, 3, 3)
 
     edge_index = edge_mask = edge_shift = None
     if lay.max_edges is not None:
@@ -478,6 +501,7 @@ def assemble(
         forces=forces,
         edge_shift=edge_shift,
         cell=cell,
+        stress=stress,
     )
 
 
@@ -493,6 +517,7 @@ def _fill_compiled(
     with_forces = arrays.forces is not None
     radius = lay.max_edges is not None
     with_cells, with_shifts = arrays.cell is not None, radius and arrays.pair_shift is not None
+    with_stress = arrays.stress is not None
     fields = {
         "z": output((K, N), torch.int64),
         "pos": output((K, N, 3), torch.float32),
@@ -508,6 +533,7 @@ def _fill_compiled(
         if with_shifts
         else _none(3, dtype=torch.int32),
         "cell": output((K, G, 3, 3), torch.float32) if with_cells else _none(3, 3),
+        "stress": output((K, G, 3, 3), torch.float32) if with_stress else _none(3, 3),
     }
     no_pairs = torch.zeros(0, dtype=torch.int64)
     sources = [
@@ -523,6 +549,7 @@ def _fill_compiled(
         arrays.pair_count if radius else no_pairs,
         arrays.pair_shift if with_shifts else _none(3, dtype=torch.int8)[0],
         arrays.cell if with_cells else _none(3, 3)[0],
+        arrays.stress if with_stress else _none(3, 3)[0],
         molecules,
         pack_lengths,
     ]
@@ -550,6 +577,8 @@ def _fill_compiled(
         fields["edge_shift"] = None
     if not with_cells:
         fields["cell"] = None
+    if not with_stress:
+        fields["stress"] = None
     return Assembled(**fields)
 
 

@@ -201,7 +201,7 @@ def test_compiled_loop_and_torch_program_write_the_same_periodic_bytes(emt_store
         data.compiled = compiled
         batches[compiled] = epoch_batches(PackedLoader(data, chunk_batches=2), 1)
     assert len(batches[True]) > 2
-    assert all(b.edge_shift is not None and b.cell is not None for b in batches[True])
+    assert all(None not in (b.edge_shift, b.cell, b.stress) for b in batches[True])
     assert any(b.edge_shift.abs().sum() > 0 for b in batches[True])
     assert_same_batches(batches[True], batches[False])
 
@@ -216,7 +216,7 @@ def edge_vectors(batch: Batch) -> torch.Tensor:
 
 def test_periodic_batches_hold_each_pair_both_ways(emt_store):
     store = MoleculeStore(emt_store)
-    cells = store.cells()[0].astype(np.float32)
+    cells, stress = store.cells()[0].astype(np.float32), store.stress().astype(np.float32)
     for batch in epoch_batches(PackedLoader(periodic_dataset(store)), 0):
         half = batch.edge_index.shape[1] // 2
         vectors = edge_vectors(batch)
@@ -224,10 +224,11 @@ def test_periodic_batches_hold_each_pair_both_ways(emt_store):
         real = batch.edge_mask
         assert torch.all(vectors[real].norm(dim=1) <= CUTOFF + 1e-4)
         assert torch.all(batch.edge_shift[~real] == 0)
-        slot_cells = batch.cell[batch.graph_mask]
-        np.testing.assert_array_equal(
-            slot_cells.numpy(), cells[batch.molecule_index[batch.graph_mask]]
-        )
+        real_slots = batch.graph_mask
+        index = batch.molecule_index[real_slots]
+        np.testing.assert_array_equal(batch.cell[real_slots].numpy(), cells[index])
+        np.testing.assert_array_equal(batch.stress[real_slots].numpy(), stress[index])
+        assert not batch.cell[~real_slots].any() and not batch.stress[~real_slots].any()
 
 
 def test_qm9_batches_have_no_periodic_fields(qm9_store):

@@ -12,7 +12,7 @@ Frames without a cell (pbc all False) get the plain radius pairs with S = 0.
 
 File layout (M frames, P pairs)::
 
-    i, j     uint8 (or wider) [P]   local atom indices, i <= j, sorted by (i, j, S) per frame
+    i, j     uint8 (or wider) [P]   local atom indices, i <= j, in vesin's order per frame
     shift    int8 [P, 3]            integer cell shift S of atom j
     offsets  int64 [M + 1]          frame m owns pairs offsets[m]:offsets[m + 1]
     version, created, num_molecules, num_atoms, cutoff, checksum (crc32 of offsets, i, j, shift)
@@ -36,10 +36,12 @@ import sys
 import time
 import warnings
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 from tqdm import tqdm
 
 from .pairs import RadiusPairs
@@ -51,6 +53,7 @@ log = logging.getLogger(__name__)
 PERIODIC_PAIRS_VERSION = 1
 
 SHIFT_DTYPE = np.int8  # |S| <= 127 cells: a cutoff of 127 cell lengths
+RUN_FRAMES = 1024  # frames listed, then canonicalised, at once by one thread
 
 
 class PairCountError(StoreError):
@@ -107,48 +110,61 @@ def build_periodic_pairs(
     positions: np.ndarray | None = None,
     progress: bool = False,
 ) -> PeriodicPairs:
-    """Every frame's half list (as :func:`frame_pairs`) as one PeriodicPairs: vesin frame
-    after frame (one neighbour-list object, reused), then one vectorised pass puts all
-    pairs in canonical form and order (per-frame numpy calls cost more than vesin itself
-    on 32-atom frames)."""
+    """Every frame's half list (as :func:`frame_pairs`) as one PeriodicPairs.
+
+    Store order is cut into runs of RUN_FRAMES frames, listed on torch's intra-op threads'
+    worth of Python threads (vesin's C library is called through ctypes, which releases the
+    GIL). In a run vesin lists frame after frame (one neighbour-list object), then one
+    vectorised pass puts the run's pairs in canonical form and the final dtypes: on 32-atom
+    frames per-frame numpy calls cost more than vesin itself, and a pass over all frames at
+    once would hold ~28 bytes per pair (2 GB for 100k frames at 5 A)."""
     pos = store.concatenated()[1] if positions is None else positions
     cells, pbcs = store.cells()
     sizes = store.num_atoms
     dtype = np.min_scalar_type(max(int(sizes.max()) - 1, 0))
-    neighbours = _neighbour_list(cutoff)
-    found = []
-    frames = tqdm(
-        range(len(store)),
+
+    def run(lo: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        neighbours = _neighbour_list(cutoff)
+        frames = range(lo, min(lo + RUN_FRAMES, len(store)))
+        found = [
+            _vesin_pairs(
+                neighbours, pos[store.offsets[m] : store.offsets[m + 1]], cells[m], pbcs[m]
+            )
+            for m in frames
+        ]
+        counts = np.array([len(i) for i, _, _ in found], dtype=np.int64)
+        frame = np.repeat(np.arange(lo, frames.stop), counts)
+        i, j, shift = (np.concatenate([f[k] for f in found]) for k in range(3))
+        try:
+            i, j, shift = _canonical(i.astype(np.int64), j.astype(np.int64), shift, frame, cutoff)
+        except PairCountError as err:
+            message, m = err.args
+            raise PairCountError(f"{store.record_name(m)}: {message}") from None
+        return counts, i.astype(dtype), j.astype(dtype), shift
+
+    bar = tqdm(
+        total=len(store),
         desc=f"periodic pairs (cutoff {cutoff:g})",
         unit="frame",
         delay=1.0,
         disable=not progress,
         file=sys.stderr,
     )
-    for m in frames:
-        lo, hi = store.offsets[m], store.offsets[m + 1]
-        found.append(_vesin_pairs(neighbours, pos[lo:hi], cells[m], pbcs[m]))
-    counts = np.array([len(i) for i, _, _ in found], dtype=np.int64)
-    frame = np.repeat(np.arange(len(store)), counts)
-    i, j, shift = (np.concatenate([f[k] for f in found]) for k in range(3))
-    try:
-        i, j, shift = _canonical(i.astype(np.int64), j.astype(np.int64), shift, frame, cutoff)
-    except PairCountError as err:
-        raise PairCountError(f"{store.record_name(int(err.args[1]))}: {err.args[0]}") from None
-    return PeriodicPairs(
-        i=i.astype(dtype),
-        j=j.astype(dtype),
-        offsets=np.concatenate([[0], np.cumsum(counts)]),
-        cutoff=float(cutoff),
-        shift=shift,
-    )
+    starts, done = range(0, len(store), RUN_FRAMES), []
+    with bar, ThreadPoolExecutor(torch.get_num_threads()) as pool:
+        for lo, found in zip(starts, pool.map(run, starts)):
+            done.append(found)
+            bar.update(min(RUN_FRAMES, len(store) - lo))
+    counts, i, j, shift = (np.concatenate([d[k] for d in done]) for k in range(4))
+    offsets = np.concatenate([[0], np.cumsum(counts)])
+    return PeriodicPairs(i=i, j=j, offsets=offsets, cutoff=float(cutoff), shift=shift)
 
 
 def frame_pairs(
     pos: np.ndarray, cell: np.ndarray, pbc: np.ndarray, cutoff: float
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One frame's half list: (i int64 [P], j int64 [P], shift int8 [P, 3]) with i < j, or
-    i == j and S lexicographically positive, sorted by (i, j, S). pos [n, 3] Angstrom, cell
+    i == j and S lexicographically positive, in vesin's order. pos [n, 3] Angstrom, cell
     [3, 3] (rows), pbc bool [3]. The full list is these and every (j, i, -S)."""
     i, j, shift = _vesin_pairs(_neighbour_list(cutoff), pos, cell, pbc)
     frame = np.zeros(len(i), dtype=np.int64)
@@ -159,8 +175,8 @@ def frame_pairs(
 
 
 def _neighbour_list(cutoff: float):
-    """vesin's half-list builder at ``cutoff``, on one thread (frames are small: threads
-    cost more than they save)."""
+    """vesin's half-list builder at ``cutoff``, on one thread (frames are small: its own
+    threads cost more than they save; runs of frames go to threads instead)."""
     import vesin
 
     return vesin.NeighborList(cutoff=float(cutoff), full_list=False, n_threads=1)
@@ -180,10 +196,9 @@ def _vesin_pairs(
 def _canonical(
     i: np.ndarray, j: np.ndarray, shift: np.ndarray, frame: np.ndarray, cutoff: float
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Pairs of many frames (``frame`` [P], sorted) in canonical form: (j, i, -S) where i > j,
-    or i == j with S lexicographically negative; sorted by (frame, i, j, S); int8 shifts.
-    PairCountError(message, frame) for a shift int8 cannot hold."""
-    shift = shift.astype(np.int64)
+    """Pairs (of frames ``frame`` [P]) in canonical form, order kept: (j, i, -S) where
+    i > j, or i == j with S lexicographically negative; int8 shifts. PairCountError(message,
+    frame) for a shift int8 cannot hold."""
     first = np.where(
         shift[:, 0] != 0, shift[:, 0], np.where(shift[:, 1] != 0, shift[:, 1], shift[:, 2])
     )  # the first nonzero component
@@ -199,8 +214,7 @@ def _canonical(
             f"far smaller than the cutoff {cutoff:g} (or degenerate)",
             int(frame[p]),
         )
-    order = np.lexsort((shift[:, 2], shift[:, 1], shift[:, 0], j, i, frame))
-    return i[order], j[order], shift[order].astype(SHIFT_DTYPE)
+    return i, j, shift.astype(SHIFT_DTYPE)
 
 
 def _save(path: Path, pairs: PeriodicPairs, store: MoleculeStore) -> None:
