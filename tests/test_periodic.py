@@ -352,3 +352,18 @@ def test_the_ipu_flavour_runs_periodic_batches_with_ops_poptorch_lowers():
     batch = dataclasses.replace(batch, pos=batch.pos.float(), cell=batch.cell.float())
     energy = check_poptorch_ops(lambda: net(batch).sum())
     assert torch.isfinite(energy)
+
+
+def test_pairs_are_put_in_canonical_form_whatever_order_vesin_gives():
+    """vesin 0.6's half list is already canonical; the pairs file must not depend on it."""
+    from schnet_ipu.data.periodic_pairs import _canonical
+
+    atoms = triclinic(True, repeat=(2, 1, 1))
+    i, j, shift = frame_pairs(atoms.positions, atoms.cell.array, atoms.pbc, CUTOFF)
+    reverse = np.arange(len(i)) % 2 == 0  # every other pair given as (j, i, -S)
+    given_i, given_j = np.where(reverse, j, i), np.where(reverse, i, j)
+    given_shift = np.where(reverse[:, None], -shift.astype(np.int32), shift)
+    frame = np.zeros(len(i), dtype=np.int64)
+    again = _canonical(given_i, given_j, given_shift, frame, CUTOFF)
+    for ours, expected in zip(again, (i, j, shift)):
+        np.testing.assert_array_equal(ours, expected)

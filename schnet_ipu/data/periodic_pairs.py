@@ -198,7 +198,8 @@ def _canonical(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Pairs (of frames ``frame`` [P]) in canonical form, order kept: (j, i, -S) where
     i > j, or i == j with S lexicographically negative; int8 shifts. PairCountError(message,
-    frame) for a shift int8 cannot hold."""
+    frame) for a shift int8 cannot hold. (vesin 0.6's half list is already in this form, which
+    it does not document; the pairs file's form must not hang on it.)"""
     first = np.where(
         shift[:, 0] != 0, shift[:, 0], np.where(shift[:, 1] != 0, shift[:, 1], shift[:, 2])
     )  # the first nonzero component
