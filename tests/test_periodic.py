@@ -367,3 +367,13 @@ def test_pairs_are_put_in_canonical_form_whatever_order_vesin_gives():
     again = _canonical(given_i, given_j, given_shift, frame, CUTOFF)
     for ours, expected in zip(again, (i, j, shift)):
         np.testing.assert_array_equal(ours, expected)
+
+
+def test_stacked_periodic_batches_give_each_batchs_energies(model):
+    from schnet_ipu.batch import stack_batches
+
+    batches = [batch_of(triclinic(True, seed=0)), batch_of(triclinic((True, True, False), seed=1))]
+    stacked = stack_batches(batches)
+    assert stacked.edge_shift is not None and stacked.cell is not None
+    expected = torch.cat([model(b) for b in batches])
+    torch.testing.assert_close(model(stacked), expected, rtol=0, atol=1e-12)
