@@ -369,8 +369,11 @@ def test_pairs_are_put_in_canonical_form_whatever_order_vesin_gives():
         np.testing.assert_array_equal(ours, expected)
 
 
-def test_stacked_periodic_batches_give_each_batchs_energies(model):
+@pytest.mark.parametrize("pair_symmetric", [True, False])
+def test_stacked_periodic_batches_give_each_batchs_energies(model, pair_symmetric):
     from schnet_ipu.batch import stack_batches
+
+    model.pair_symmetric = pair_symmetric  # False: the reversed half's shifts are read too
 
     batches = [batch_of(triclinic(True, seed=0)), batch_of(triclinic((True, True, False), seed=1))]
     stacked = stack_batches(batches)
