@@ -21,6 +21,13 @@ Padding conventions (the model and loss rely on them; tests check them):
   order, so a filter computed on the first half serves both directions. A padding edge has
   ``edge_mask == False`` and joins a padding atom to itself (or atom 0 to itself when the batch
   has no padding atom); its message is multiplied by zero.
+* Periodic batches (stores with cells) also carry ``edge_shift`` [E, 3] int32 and ``cell``
+  [G, 3, 3] float32 (rows are lattice vectors; zeros on padding slots and molecules). Edge e
+  from atom ``s = edge_index[0, e]`` to ``r = edge_index[1, e]`` is the vector
+  ``pos[r] - pos[s] + edge_shift[e] @ cell[slot of r]``. A forward pair (i, j, S) has its
+  reverse (j, i, -S) in the second half, so the radius layout and the pair-symmetric filter
+  hold unchanged; an atom may pair with its own image (i == j, S != 0), and with several
+  images of one neighbour. Molecule batches have both fields None (unchanged bits).
 * Atoms of one molecule are contiguous and molecules keep their pack, so ``graph`` is sorted
   (non-decreasing) over the real atoms of each pack.
 """
@@ -47,6 +54,9 @@ class Batch:
     edge_index: Tensor | None = None  # [2, E] int64, radius graphs only
     edge_mask: Tensor | None = None  # [E] bool, radius graphs only
     forces: Tensor | None = None  # [N, 3] float32 target forces, 0 on padding; stores with forces
+    edge_shift: Tensor | None = None  # [E, 3] int32 integer cell shifts; periodic batches only
+    cell: Tensor | None = None  # [G, 3, 3] float32 lattice vectors as rows; periodic batches only
+    stress: Tensor | None = None  # [G, 3, 3] float32 target stress, 0 on padding; stores with it
 
     @property
     def num_nodes(self) -> int:
@@ -134,13 +144,16 @@ def stack_batches(batches: list[Batch]) -> Batch:
     def cat(name: str) -> Tensor:
         return torch.cat([getattr(b, name) for b in batches])
 
-    edge_index = edge_mask = None
+    edge_index = edge_mask = edge_shift = None
     if edges:
         halves = [e.shape[1] // 2 for e in edges]
         forward = torch.cat([e[:, :h] for e, h in zip(edges, halves)], dim=1)
         edge_index = torch.cat([forward, forward.flip(0)], dim=1)
         masks = [b.edge_mask for b in batches]
         edge_mask = torch.cat([torch.cat([m[:h] for m, h in zip(masks, halves)])] * 2)
+        if all(b.edge_shift is not None for b in batches):
+            shifts = torch.cat([b.edge_shift[:h] for b, h in zip(batches, halves)])
+            edge_shift = torch.cat([shifts, -shifts])
     return Batch(
         z=cat("z"),
         pos=cat("pos"),
@@ -152,4 +165,7 @@ def stack_batches(batches: list[Batch]) -> Batch:
         edge_index=edge_index,
         edge_mask=edge_mask,
         forces=cat("forces") if all(b.forces is not None for b in batches) else None,
+        edge_shift=edge_shift,
+        cell=cat("cell") if all(b.cell is not None for b in batches) else None,
+        stress=cat("stress") if all(b.stress is not None for b in batches) else None,
     )

@@ -8,7 +8,9 @@ lengths), into [K, ...] tensors with no Python loop over molecules or packs; the
 hands out their rows as :class:`~schnet_ipu.batch.Batch` views.
 
 Radius edges keep the order of a per-pack search: pack, then i, then j (i < j), forward
-pairs first, then the same pairs reversed (see schnet_ipu.batch).
+pairs first, then the same pairs reversed (see schnet_ipu.batch). Periodic stores (with
+cells) add each pair's integer cell shift S (the reversed pair gets -S) and each molecule
+slot's cell.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from torch import Tensor
 from schnet_ipu import compiled_feed
 from schnet_ipu.data import MoleculeStore
 from schnet_ipu.data.pairs import RadiusPairs
+from schnet_ipu.data.periodic_pairs import PeriodicPairs
 from schnet_ipu.errors import UserError
 
 if TYPE_CHECKING:
@@ -57,6 +60,10 @@ class FeedArrays:
     ids: np.ndarray  # int64 [M] record ids, for error messages
     source: str  # where the molecules come from, for error messages
     store_index: Tensor | None = None  # int64 [M] molecule_index of each; None: 0..M-1
+    cell: Tensor | None = None  # float32 [M, 3, 3] lattice vectors (rows); periodic stores only
+    pair_shift: Tensor | None = None  # int8 [P + 1, 3] cell shift S of each pair (last: 0);
+    # periodic stores' radius graphs only
+    stress: Tensor | None = None  # float32 [M, 3, 3] target stress; stores with stress only
 
     @classmethod
     def from_store(
@@ -73,10 +80,22 @@ class FeedArrays:
         try:
             z, pos = store.concatenated() if atoms is None else atoms
             forces = store.forces() if store.has_forces else None
+            cell = store.cells()[0] if store.periodic else None
+            stress = store.stress() if store.has_stress else None
         except OSError as err:
             raise LoaderError(f"cannot read the molecules of {store.path}: {err}") from err
+        source = str(store.path)
         arrays = cls.build(
-            z, pos, forces, store.offsets, targets, pairs, store.ids, str(store.path)
+            z,
+            pos,
+            forces,
+            store.offsets,
+            targets,
+            pairs,
+            store.ids,
+            source,
+            cell=cell,
+            stress=stress,
         )
         return arrays.to(device)
 
@@ -92,12 +111,19 @@ class FeedArrays:
         ids: np.ndarray,
         source: str,
         store_index: np.ndarray | None = None,
+        cell: np.ndarray | None = None,
+        stress: np.ndarray | None = None,
     ) -> FeedArrays:
-        """CPU feed arrays from numpy: ``offsets`` int [M + 1] splits z [A] / pos [A, 3].
+        """CPU feed arrays from numpy: ``offsets`` int [M + 1] splits z [A] / pos [A, 3];
+        ``cell`` [M, 3, 3] for periodic stores (whose ``pairs`` are PeriodicPairs), and
+        their target ``stress`` [M, 3, 3] when the store has it.
 
         Each per-atom and per-pair array gets one zero entry at its end: padding atoms and
-        padding edges of a batch are gathered from it (z 0, position 0, local atoms 0).
+        padding edges of a batch are gathered from it (z 0, position 0, local atoms 0, no
+        shift).
         """
+        if cell is None and isinstance(pairs, PeriodicPairs):
+            raise LoaderError(f"{source}: periodic pairs need the frames' cells")
         offsets = torch.as_tensor(np.asarray(offsets, dtype=np.int64))
         pair_offsets = None if pairs is None else torch.from_numpy(pairs.offsets)
         return cls(
@@ -113,6 +139,11 @@ class FeedArrays:
             ids=np.asarray(ids, dtype=np.int64),
             source=source,
             store_index=None if store_index is None else torch.as_tensor(store_index),
+            cell=None if cell is None else torch.from_numpy(np.asarray(cell, np.float32)),
+            stress=None if stress is None else torch.from_numpy(np.asarray(stress, np.float32)),
+            pair_shift=(
+                _with_zero_entry(pairs.shift) if isinstance(pairs, PeriodicPairs) else None
+            ),
         )
 
     def to(self, device: torch.device | str) -> FeedArrays:
@@ -216,7 +247,7 @@ class _Outputs:
     ) -> None:
         self.device, self.pin = device, pin and device.type == "cpu"
         use_buffers = buffers is not None and device.type == "cpu" and not self.pin
-        slack = 16 * self.ALIGN  # room to align each of the (at most 10) tensors
+        slack = 16 * self.ALIGN  # room to align each of the (at most 13) tensors
         self.memory = buffers.take(nbytes + slack) if use_buffers else None
         self.used = 0
 
@@ -247,6 +278,9 @@ class Assembled:
     edge_index: Tensor | None  # int64 [K, 2, E]
     edge_mask: Tensor | None  # bool [K, E]
     forces: Tensor | None  # float32 [K, N, 3]
+    edge_shift: Tensor | None = None  # int32 [K, E, 3] (periodic radius graphs)
+    cell: Tensor | None = None  # float32 [K, G, 3, 3] (periodic stores)
+    stress: Tensor | None = None  # float32 [K, G, 3, 3] (stores with stress)
     num_molecules: list[int] | None = None  # [K] real molecules per batch, when known on the host
 
 
@@ -384,7 +418,9 @@ def assemble(
     than by the torch program below; both give the same bytes.
     """
     K = len(pack_lengths) // layout.packs_per_batch
-    nbytes = K * layout.batch_bytes(arrays.forces is not None)
+    nbytes = K * layout.batch_bytes(
+        arrays.forces is not None, arrays.cell is not None, arrays.stress is not None
+    )
     output = _Outputs(nbytes, arrays.device, pin, buffers)
     if compiled is None:
         compiled = compiled_feed.AVAILABLE
@@ -427,10 +463,20 @@ def assemble(
     molecule_index[flat_slot] = index
     graph_mask = output((K * G,), torch.bool).fill_(False)
     graph_mask[flat_slot] = True
+    cell = None
+    if arrays.cell is not None:
+        cell = output((K * G, 3, 3), torch.float32).fill_(0)
+        cell[flat_slot] = arrays.cell[molecules]
+        cell = cell.view(K, G, 3, 3)
+    stress = None
+    if arrays.stress is not None:
+        stress = output((K * G, 3, 3), torch.float32).fill_(0)
+        stress[flat_slot] = arrays.stress[molecules]
+        stress = stress.view(K, G, 3, 3)
 
-    edge_index = edge_mask = None
+    edge_index = edge_mask = edge_shift = None
     if lay.max_edges is not None:
-        edge_index, edge_mask = _edges(
+        edge_index, edge_mask, edge_shift = _edges(
             arrays,
             layout,
             molecules,
@@ -453,6 +499,9 @@ def assemble(
         edge_index=edge_index,
         edge_mask=edge_mask,
         forces=forces,
+        edge_shift=edge_shift,
+        cell=cell,
+        stress=stress,
     )
 
 
@@ -466,6 +515,9 @@ def _fill_compiled(
     B, K = lay.packs_per_batch, len(pack_lengths) // lay.packs_per_batch
     N, G, half = B * lay.max_nodes, B * lay.max_graphs, B * (lay.max_edges or 0) // 2
     with_forces = arrays.forces is not None
+    radius = lay.max_edges is not None
+    with_cells, with_shifts = arrays.cell is not None, radius and arrays.pair_shift is not None
+    with_stress = arrays.stress is not None
     fields = {
         "z": output((K, N), torch.int64),
         "pos": output((K, N, 3), torch.float32),
@@ -477,8 +529,12 @@ def _fill_compiled(
         "molecule_index": output((K, G), torch.int64),
         "edge_index": output((K, 2, 2 * half), torch.int64),
         "edge_mask": output((K, 2 * half), torch.bool),
+        "edge_shift": output((K, 2 * half, 3), torch.int32)
+        if with_shifts
+        else _none(3, dtype=torch.int32),
+        "cell": output((K, G, 3, 3), torch.float32) if with_cells else _none(3, 3),
+        "stress": output((K, G, 3, 3), torch.float32) if with_stress else _none(3, 3),
     }
-    radius = lay.max_edges is not None
     no_pairs = torch.zeros(0, dtype=torch.int64)
     sources = [
         arrays.z,
@@ -491,6 +547,9 @@ def _fill_compiled(
         arrays.pair_ij if radius else torch.zeros(0, 2, dtype=torch.int16),
         arrays.pair_start if radius else no_pairs,
         arrays.pair_count if radius else no_pairs,
+        arrays.pair_shift if with_shifts else _none(3, dtype=torch.int8)[0],
+        arrays.cell if with_cells else _none(3, 3)[0],
+        arrays.stress if with_stress else _none(3, 3)[0],
         molecules,
         pack_lengths,
     ]
@@ -514,7 +573,18 @@ def _fill_compiled(
         fields["forces"] = None
     if not radius:
         fields["edge_index"] = fields["edge_mask"] = None
+    if not with_shifts:
+        fields["edge_shift"] = None
+    if not with_cells:
+        fields["cell"] = None
+    if not with_stress:
+        fields["stress"] = None
     return Assembled(**fields)
+
+
+def _none(*shape: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    """An empty [1, 0, *shape] tensor: an absent output (or, row 0, source) of the loop."""
+    return torch.empty(1, 0, *shape, dtype=dtype)
 
 
 def _edges(
@@ -528,9 +598,10 @@ def _edges(
     atom_offset: Tensor,
     padding: Tensor,
     output: _Outputs,
-) -> tuple[Tensor, Tensor]:
-    """edge_index int64 [K, 2, E] and edge_mask bool [K, E] of the molecules' pairs
-    (``pairs`` [T] per molecule, ``pack_lengths``/``pack_pairs`` [K * B] per pack).
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """edge_index int64 [K, 2, E], edge_mask bool [K, E] and (periodic pairs) edge_shift
+    int32 [K, E, 3] of the molecules' pairs (``pairs`` [T] per molecule,
+    ``pack_lengths``/``pack_pairs`` [K * B] per pack).
 
     Each batch's forward pairs fill columns [0, its pairs) of the first half in molecule
     order, the reversed pairs the same columns of the second half; the rest join the batch's
@@ -563,7 +634,14 @@ def _edges(
     template = torch.arange(2 * half, device=pairs.device) < half
     rows_of_mask = template.unfold(0, half, 1)[half - batch_pairs]  # [K, half]
     edge_mask.copy_(rows_of_mask.unsqueeze(1).expand(K, 2, half))
-    return edge_index.view(K, 2, 2 * half), edge_mask.view(K, 2 * half)
+    edge_shift = None
+    if arrays.pair_shift is not None:  # S forward, -S reversed; padding pairs read 0
+        edge_shift = output((K, 2, half, 3), torch.int32)
+        forward = arrays.pair_shift.index_select(0, source).view(K, half, 3)
+        edge_shift[:, 0] = forward
+        torch.neg(edge_shift[:, 0], out=edge_shift[:, 1])
+        edge_shift = edge_shift.view(K, 2 * half, 3)
+    return edge_index.view(K, 2, 2 * half), edge_mask.view(K, 2 * half), edge_shift
 
 
 def _check_fits(

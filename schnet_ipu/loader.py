@@ -33,6 +33,7 @@ from schnet_ipu.batch import Batch
 from schnet_ipu.data import MoleculeStore
 from schnet_ipu.data.graphs import molecule_pairs
 from schnet_ipu.data.pairs import RadiusPairs, radius_pairs
+from schnet_ipu.data.periodic_pairs import PeriodicPairs, frame_pairs
 from schnet_ipu.feed import (
     Assembled,
     FeedArrays,
@@ -93,12 +94,20 @@ class Layout:
             **share,
         )
 
-    def batch_bytes(self, forces: bool = False) -> int:
-        """Bytes of one assembled batch (N, G, E as above)."""
+    def batch_bytes(
+        self, forces: bool = False, periodic: bool = False, stress: bool = False
+    ) -> int:
+        """Bytes of one assembled batch (N, G, E as above); ``periodic``: with cells and
+        edge shifts; ``stress``: with target stress."""
         n = self.packs_per_batch * self.max_nodes
         g = self.packs_per_batch * self.max_graphs
         e = self.packs_per_batch * (self.max_edges or 0)
-        return n * (8 + 12 + 8 + 1 + (12 if forces else 0)) + g * (4 + 1 + 8) + e * (16 + 1)
+        cells, shifts = (36, 12) if periodic else (0, 0)
+        return (
+            n * (8 + 12 + 8 + 1 + (12 if forces else 0))
+            + g * (4 + 1 + 8 + cells + (36 if stress else 0))
+            + e * (16 + 1 + shifts)
+        )
 
 
 class PackedDataset:
@@ -311,6 +320,8 @@ class PackMolecule(NamedTuple):
     y: float  # target
     index: int  # index in the store (-1 allowed for molecules from elsewhere)
     forces: np.ndarray | None = None  # [n, 3] float32 target forces, optional
+    cell: np.ndarray | None = None  # [3, 3] lattice vectors as rows (periodic frames)
+    pbc: np.ndarray | None = None  # bool [3] (with cell; None: periodic along all three)
 
 
 def collate(
@@ -343,8 +354,10 @@ def collate(
         forces = np.concatenate(
             [np.zeros((0, 3), np.float32), *(np.asarray(m.forces, np.float32) for m in molecules)]
         )
-    pairs = None
-    if layout.cutoff is not None:
+    pairs, cells = None, None
+    if any(m.cell is not None for m in molecules):
+        cells, pairs = _periodic_frames(molecules, layout.cutoff)
+    elif layout.cutoff is not None:
         found = [molecule_pairs(m.pos, layout.cutoff) for m in molecules]
         counts = np.array([len(i) for i, _ in found], dtype=np.int64)
         i = torch.cat([torch.zeros(0, dtype=torch.int64), *(i for i, _ in found)]).numpy()
@@ -353,11 +366,37 @@ def collate(
     index = np.array([m.index for m in molecules], dtype=np.int64)
     arrays = FeedArrays.build(
         z, pos, forces, offsets, np.array([m.y for m in molecules], dtype=np.float64), pairs,
-        ids=index, source="the given molecules", store_index=index,
+        ids=index, source="the given molecules", store_index=index, cell=cells,
     )  # fmt: skip
     lengths = torch.zeros(layout.packs_per_batch, dtype=torch.int64)
     lengths[: len(packs)] = torch.tensor([len(p) for p in packs], dtype=torch.int64)
     return unstack(assemble(arrays, layout, torch.arange(len(molecules)), lengths))[0]
+
+
+def _periodic_frames(
+    molecules: Sequence[PackMolecule], cutoff: float | None
+) -> tuple[np.ndarray, PeriodicPairs]:
+    """Cells float32 [M, 3, 3] (zeros for a molecule without one) and the periodic pairs of
+    ``molecules`` (:func:`~schnet_ipu.data.periodic_pairs.frame_pairs`; radius graphs only)."""
+    if cutoff is None:
+        raise LoaderError("periodic frames need a radius graph (model.graph: radius)")
+    cells = np.zeros((len(molecules), 3, 3))
+    found = []
+    for m, molecule in enumerate(molecules):
+        pbc = np.zeros(3, bool)
+        if molecule.cell is not None:
+            cells[m] = molecule.cell
+            pbc = np.ones(3, bool) if molecule.pbc is None else np.asarray(molecule.pbc, bool)
+        found.append(frame_pairs(molecule.pos, cells[m], pbc, cutoff))
+    counts = np.array([len(i) for i, _, _ in found], dtype=np.int64)
+    pairs = PeriodicPairs(
+        i=np.concatenate([np.zeros(0, np.int64), *(i for i, _, _ in found)]),
+        j=np.concatenate([np.zeros(0, np.int64), *(j for _, j, _ in found)]),
+        offsets=np.concatenate([[0], np.cumsum(counts)]),
+        cutoff=cutoff,
+        shift=np.concatenate([np.zeros((0, 3), np.int8), *(s for _, _, s in found)]),
+    )
+    return cells, pairs
 
 
 class PackedLoader:
@@ -388,7 +427,10 @@ class PackedLoader:
         self.ahead = max(prefetch, workers, 1)
         self.pin = pin_memory
         self.signature: tuple | None = None
-        per_batch = dataset.layout.batch_bytes(dataset.arrays.forces is not None)
+        arrays = dataset.arrays
+        per_batch = dataset.layout.batch_bytes(
+            arrays.forces is not None, arrays.cell is not None, arrays.stress is not None
+        )
         self.chunk_batches = chunk_batches or max(1, CHUNK_BYTES // per_batch)
         on_cpu = dataset.arrays.device.type == "cpu"
         self.at_once = 1 if workers or not on_cpu else torch.get_num_threads()

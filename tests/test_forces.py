@@ -199,7 +199,7 @@ def bad_files(tmp_path: Path, emt_file: Path) -> dict[str, tuple[Path, str]]:
     unknown = [f.copy() for f in frames]
     unknown[3].numbers[0] = 0
     periodic = [f.copy() for f in frames]
-    periodic[2].cell, periodic[2].pbc = np.eye(3) * 10, True
+    periodic[2].cell, periodic[2].pbc = [[10, 0, 0], [0, 10, 0], [10, 10, 0]], True  # singular
     for f in (*nan, *unknown, *periodic):
         f.info["energy"] = 1.0
     files = {}

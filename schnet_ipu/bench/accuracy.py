@@ -10,10 +10,10 @@ same store (full QM9 U0 by default; ``--subset N`` for a sample) with the same m
   molecules per step), trained by ``train.py``'s own loop; test MAE of its best-validation
   weights from the final record, validation MAE against the budget's seconds from
   ``metrics.jsonl``;
-* stock PyG: ``torch_geometric.nn.models.SchNet`` (radius graph in plain torch, targets standardised by
-  its ``mean``/``std`` per atom), ``DataLoader`` batches of 32, Adam 1e-3 with a cosine
-  over the M minutes, validated every M x 3 s (20 points), the best-validation weights
-  tested at the end.
+* stock PyG: ``torch_geometric.nn.models.SchNet`` (radius graph in plain torch, targets
+  standardised by its ``mean``/``std`` per atom), ``DataLoader`` batches of 32, Adam 1e-3
+  with a cosine over the M minutes, validated every M x 3 s (20 points), the
+  best-validation weights tested at the end.
 
 The report holds each side's test MAE, molecules seen, epochs and the validation MAE
 against elapsed seconds, and draws them (``accuracy_vs_time.png`` in ``--out-dir``).

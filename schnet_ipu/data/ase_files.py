@@ -7,10 +7,15 @@ files in order, and the store's ``files`` / ``frames_per_file`` attributes map a
 "file, frame i". Energies are read from ``atoms.info[energy_key]`` or the attached calculator,
 forces from ``atoms.arrays[forces_key]`` or the calculator (optional, but all frames or none).
 A bad frame (no energy or a non-numeric one, unknown element, NaN position, forces of the
-wrong shape or not finite, a periodic cell) or a file ASE cannot read (empty, a truncated
-gzip) stops the import with one line naming the file and frame index, and nothing is
-written; an ``energy_key`` that no frame of a file has is named with the keys present.
-Periodic frames are refused: the model's neighbour lists are for open clusters and molecules.
+wrong shape or not finite, a bad cell) or a file ASE cannot read (empty, a truncated gzip)
+stops the import with one line naming the file and frame index, and nothing is written; an
+``energy_key`` that no frame of a file has is named with the keys present.
+
+Periodic frames (any ``pbc`` True: extxyz with a Lattice, ASE db, VASP POSCAR/OUTCAR, CIF,
+whatever ``ase.io.read`` reads) keep their cell and pbc (:func:`frame_cell`), and their
+stress when every periodic frame has one (:func:`frame_stress`: ``atoms.info["stress"]`` or
+the calculator's, Voigt [6] or [3, 3], in eV/Angstrom^3). Frames without a cell stay
+molecules (zero cell, pbc False); a file with no periodic frame gives a molecule store.
 """
 
 from __future__ import annotations
@@ -22,12 +27,13 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from .store import NUM_ELEMENTS, StoreError, write_store
+from .store import NUM_ELEMENTS, StoreError, invalid_cells, write_store
 
 log = logging.getLogger(__name__)
 
 ENERGY_UNIT = "eV"  # ASE's units
 FORCES_UNIT = "eV/Angstrom"
+STRESS_UNIT = "eV/Angstrom^3"
 
 
 def read_frames(path: str | Path) -> list:
@@ -95,14 +101,10 @@ def _whole_xyz_frames(path: Path) -> int:
 
 def check_frame(atoms, where: str) -> tuple[np.ndarray, np.ndarray]:
     """Atomic numbers int64 [n] and float64 positions [n, 3] of a frame the model can take:
-    not periodic, known elements, finite positions; otherwise StoreError naming ``where``."""
+    known elements, finite positions (its cell: :func:`frame_cell`); otherwise StoreError
+    naming ``where``."""
     if len(atoms) == 0:
         raise StoreError(f"{where}: no atoms")
-    if np.any(atoms.pbc):
-        raise StoreError(
-            f"{where}: periodic cell (pbc={atoms.pbc.tolist()}); only open clusters and "
-            "molecules are supported"
-        )
     z = np.asarray(atoms.numbers, dtype=np.int64)
     bad = np.flatnonzero((z < 1) | (z >= NUM_ELEMENTS))
     if len(bad):
@@ -177,6 +179,60 @@ def frame_forces(atoms, key: str, where: str) -> np.ndarray | None:
     return forces.astype(np.float32)
 
 
+def frame_cell(atoms, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """The frame's cell float64 [3, 3] (rows the lattice vectors; zeros when not periodic)
+    and pbc bool [3]; StoreError naming ``where`` for a NaN cell, pbc along a zero lattice
+    vector (pbc without a cell) or a singular periodic cell."""
+    pbc = np.asarray(atoms.pbc, dtype=bool).reshape(3)
+    if not pbc.any():
+        return np.zeros((3, 3)), pbc
+    cell = np.asarray(atoms.cell.array, dtype=np.float64)
+    reason = invalid_cells(cell[None], pbc[None]).get(0)
+    if reason is not None:
+        raise StoreError(f"{where}: {reason}; fix the cell or set pbc=False for a molecule")
+    return cell, pbc
+
+
+def frame_stress(atoms, where: str) -> np.ndarray | None:
+    """``atoms.info["stress"]``, else the calculator's stress, as float64 [3, 3] (from ASE's
+    Voigt order xx, yy, zz, yz, xz, xy, or 3 x 3); None when the frame has none."""
+    value = atoms.info.get("stress")
+    if value is None and atoms.calc is not None:
+        value = atoms.calc.results.get("stress")
+    if value is None:
+        return None
+    stress = np.asarray(value, dtype=np.float64).reshape(-1)
+    if stress.shape == (6,):
+        xx, yy, zz, yz, xz, xy = stress
+        stress = np.array([[xx, xy, xz], [xy, yy, yz], [xz, yz, zz]])
+    elif stress.shape == (9,):
+        stress = stress.reshape(3, 3)
+    else:
+        raise StoreError(f"{where}: stress has {stress.size} values, not 6 (Voigt) or 9 (3 x 3)")
+    if not np.isfinite(stress).all():
+        raise StoreError(f"{where}: stress is not finite")
+    return stress
+
+
+def periodic_arrays(
+    cells: list[np.ndarray], pbcs: list[np.ndarray], stresses: list[np.ndarray | None], wheres
+) -> dict:
+    """``write_store``'s cell, pbc, stress and stress_unit for the frames read: none when no
+    frame is periodic; stress when every periodic frame has one (StoreError naming the first
+    periodic frame without one when others have it); molecules get a zero stress."""
+    periodic = [k for k, pbc in enumerate(pbcs) if pbc.any()]
+    if not periodic:
+        return {}
+    arrays = {"cell": np.stack(cells), "pbc": np.stack(pbcs)}
+    missing = [k for k in periodic if stresses[k] is None]
+    if len(missing) < len(periodic):
+        if missing:
+            raise StoreError(f"{wheres[missing[0]]}: no stress, but other periodic frames have it")
+        arrays["stress"] = np.stack([np.zeros((3, 3)) if s is None else s for s in stresses])
+        arrays["stress_unit"] = STRESS_UNIT
+    return arrays
+
+
 def import_ase(
     files: Sequence[str | Path],
     out: str | Path,
@@ -189,6 +245,7 @@ def import_ase(
     if not files:
         raise StoreError(f"{out}: data.source=ase needs data.files (a list of paths)")
     z, pos, energies, forces, counts = [], [], [], [], []
+    cells, pbcs, stresses, wheres = [], [], [], []
     missing_forces: str | None = None
     for path in files:
         frames = read_frames(path)
@@ -204,10 +261,23 @@ def import_ase(
             if frame is None:
                 missing_forces = missing_forces or where
             forces.append(frame)
+            cell, pbc = frame_cell(atoms, where)
+            cells.append(cell)
+            pbcs.append(pbc)
+            stresses.append(frame_stress(atoms, where) if pbc.any() else None)
+            wheres.append(where)
     with_forces = missing_forces is None
     if not with_forces and any(f is not None for f in forces):
         raise StoreError(f"{missing_forces}: no forces {forces_key!r}, but other frames have them")
-    log.info("read %d frames from %d file(s), forces: %s", len(z), len(files), with_forces)
+    periodic = periodic_arrays(cells, pbcs, stresses, wheres)
+    log.info(
+        "read %d frames from %d file(s), forces: %s, periodic: %d, stress: %s",
+        len(z),
+        len(files),
+        with_forces,
+        int(sum(p.any() for p in pbcs)),
+        "stress" in periodic,
+    )
     return write_store(
         out,
         z,
@@ -217,6 +287,7 @@ def import_ase(
         descriptions={"energy": f"ASE {energy_key!r}"},
         forces=forces if with_forces else None,
         forces_unit=FORCES_UNIT,
+        **periodic,
         attrs={
             "source": "ase",
             "files": [str(f) for f in files],

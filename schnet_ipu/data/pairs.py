@@ -82,9 +82,14 @@ def radius_pairs(
 ) -> RadiusPairs:
     """The pairs file of ``store`` at ``cutoff``: loaded when valid, else (re)built and saved
     (from ``positions``, the store's float32 [A, 3] atoms, when the caller has them), with a
-    progress bar when ``progress`` and the build takes over a second."""
+    progress bar when ``progress`` and the build takes over a second. A store with cells
+    gets its periodic pairs (:mod:`schnet_ipu.data.periodic_pairs`) instead."""
     if not isinstance(store, MoleculeStore):
         store = MoleculeStore(store)
+    if store.periodic:
+        from .periodic_pairs import periodic_pairs  # it imports RadiusPairs from here
+
+        return periodic_pairs(store, cutoff, positions, progress)
     path = pairs_path(store, cutoff)
     if path.is_file():
         pairs, problem = _load(path, store, cutoff)

@@ -7,6 +7,11 @@ Layout (M molecules, A atoms in total)::
     /offsets   int64   [M + 1] molecule i owns atoms offsets[i]:offsets[i + 1]
     /ids       int64   [M]     record id in the source (QM9: gdb index)
     /forces    float32 [A, 3]  optional per-atom forces; attrs: unit (e.g. eV/Angstrom)
+    /cell      float64 [M, 3, 3] optional (periodic stores): lattice vectors as rows, Angstrom;
+                               zeros for a frame without a cell (a molecule)
+    /pbc       bool    [M, 3]  with /cell: periodic along each cell vector
+    /stress    float64 [M, 3, 3] optional, with /cell: ASE's stress (sign and convention);
+                               attrs: unit (eV/Angstrom^3)
     /targets/<name>  float64 [M]    attrs: unit, description
     /atomrefs/<name> float64 [119]  optional per-element reference in the target's unit
 
@@ -84,6 +89,10 @@ def write_store(
     atomrefs: Mapping[str, Any] | None = None,
     forces: Sequence[Any] | np.ndarray | None = None,
     forces_unit: str = "",
+    cell: Sequence[Any] | np.ndarray | None = None,
+    pbc: Sequence[Any] | np.ndarray | None = None,
+    stress: Sequence[Any] | np.ndarray | None = None,
+    stress_unit: str = "",
     origin: str | None = None,
     skip_invalid: bool = False,
 ) -> Path:
@@ -93,7 +102,9 @@ def write_store(
     concatenated arrays ([A], [A, 3]) with ``offsets`` [M + 1]. Elements are atomic numbers or
     symbols ("C"). ``targets[name]`` is [M]; ``units[name]`` its unit. ``ids`` [M] default to
     0..M-1. ``forces`` (optional) are per-atom like ``pos`` ([A, 3], or per-molecule
-    [n_i, 3]) in ``forces_unit``. ``origin`` names the source files in error messages.
+    [n_i, 3]) in ``forces_unit``. ``cell`` [M, 3, 3] (rows are the lattice vectors; zeros
+    for a molecule) and ``pbc`` bool [M, 3] make a periodic store; ``stress`` [M, 3, 3] (needs
+    them) is in ``stress_unit``. ``origin`` names the source files in error messages.
     Nothing is written when any check fails; with ``skip_invalid`` the bad records are
     dropped instead, listed in a warning and in the ``skipped_records`` attribute (their ids).
     """
@@ -128,7 +139,10 @@ def write_store(
     if forces_arr is not None and forces_arr.shape != pos_arr.shape:
         raise StoreError(f"{where}: forces {forces_arr.shape} do not match pos {pos_arr.shape}")
     target_arrays = _check_targets(targets, units, num_molecules, where)
+    periodic = _periodic_arrays(cell, pbc, stress, num_molecules, where)
     bad = invalid_records(z_num, pos_arr, offsets, target_arrays, labels, forces_arr)
+    for m, reason in invalid_cells(*periodic).items():
+        bad.setdefault(m, reason)
     if bad and not skip_invalid:
         first = min(bad)
         raise StoreError(
@@ -145,6 +159,7 @@ def write_store(
         z_num, pos_arr = z_num[atoms], pos_arr[atoms]
         forces_arr = None if forces_arr is None else forces_arr[atoms]
         target_arrays = {name: values[keep] for name, values in target_arrays.items()}
+        periodic = tuple(None if values is None else values[keep] for values in periodic)
         attrs = {**(attrs or {}), "skipped_records": ids[sorted(bad)]}
         ids = ids[keep]
         offsets = np.concatenate([[0], np.cumsum(np.diff(offsets)[keep])])
@@ -166,6 +181,12 @@ def write_store(
             _dataset(f, "ids", ids, (MOLECULE_CHUNK,))
             if forces_arr is not None:
                 _dataset(f, "forces", forces_arr, (ATOM_CHUNK, 3)).attrs["unit"] = forces_unit
+            cells, pbcs, stresses = periodic
+            if cells is not None:
+                _dataset(f, "cell", cells, (MOLECULE_CHUNK, 3, 3))
+                _dataset(f, "pbc", pbcs, (MOLECULE_CHUNK, 3))
+            if stresses is not None:
+                _dataset(f, "stress", stresses, (MOLECULE_CHUNK, 3, 3)).attrs["unit"] = stress_unit
             f.create_group("targets", track_order=True)
             for name, values in target_arrays.items():
                 ds = _dataset(f, f"targets/{name}", values, (MOLECULE_CHUNK,))
@@ -184,6 +205,61 @@ def write_store(
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+def _periodic_arrays(
+    cell: Any, pbc: Any, stress: Any, num_molecules: int, where: str
+) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
+    """(cell float64 [M, 3, 3], pbc bool [M, 3], stress float64 [M, 3, 3]) as given, each
+    None when absent; StoreError for a wrong shape, pbc without cells or stress without them."""
+    if cell is None:
+        if pbc is not None or stress is not None:
+            raise StoreError(f"{where}: pbc and stress need cells (cell [M, 3, 3])")
+        return None, None, None
+    cell = np.asarray(cell, dtype=np.float64)
+    pbc = np.zeros((num_molecules, 3), bool) if pbc is None else np.asarray(pbc, dtype=bool)
+    stress = None if stress is None else np.asarray(stress, dtype=np.float64)
+    expected = {"cell": (cell, (3, 3)), "pbc": (pbc, (3,)), "stress": (stress, (3, 3))}
+    for name, (values, shape) in expected.items():
+        if values is not None and values.shape != (num_molecules, *shape):
+            raise StoreError(f"{where}: {name} has shape {values.shape}, not [M, {shape}]")
+    return cell, pbc, stress
+
+
+def invalid_cells(
+    cell: np.ndarray | None, pbc: np.ndarray | None, stress: np.ndarray | None = None
+) -> dict[int, str]:
+    """Molecule index -> what is wrong with its cell: non-finite, periodic along a zero
+    lattice vector, or (periodic) singular; or a non-finite stress. cell [M, 3, 3], pbc
+    [M, 3], stress [M, 3, 3] or None (a store without cells: nothing to check)."""
+    if cell is None:
+        return {}
+    reasons: dict[int, str] = {}
+    finite = np.isfinite(cell).all(axis=(1, 2))
+    for m in np.flatnonzero(~finite).tolist():
+        reasons[m] = "has a non-finite (NaN/inf) cell"
+    safe = np.where(finite[:, None, None], cell, 0.0)
+    empty = np.linalg.norm(safe, axis=2) == 0  # [M, 3] zero lattice vectors
+    for m in np.flatnonzero((pbc & empty).any(axis=1) & finite).tolist():
+        reasons[m] = f"is periodic (pbc={pbc[m].tolist()}) along a zero cell vector"
+    volume = np.abs(np.linalg.det(safe))
+    scale = np.prod(np.maximum(np.linalg.norm(safe, axis=2), 1e-300), axis=1)
+    singular = pbc.any(axis=1) & ~(pbc & empty).any(axis=1) & (volume <= 1e-9 * scale)
+    for m in np.flatnonzero(singular & finite).tolist():
+        reasons[m] = f"has a singular cell (volume {volume[m]:.3g} A^3)"
+    for m, reason in invalid_stress(stress).items():
+        reasons.setdefault(m, reason)
+    return reasons
+
+
+def invalid_stress(stress: np.ndarray | None) -> dict[int, str]:
+    """Molecule index -> what is wrong, for each non-finite stress [M, 3, 3] (None: none)."""
+    if stress is None:
+        return {}
+    return {
+        m: "has a non-finite (NaN/inf) stress"
+        for m in np.flatnonzero(~np.isfinite(stress).all(axis=(1, 2))).tolist()
+    }
 
 
 def root_attributes(attrs: Mapping[str, Any], molecules: int, atoms: int) -> dict[str, Any]:
@@ -354,6 +430,8 @@ class MoleculeStore:
                 self._units = {n: str(_plain(d.attrs["unit"])) for n, d in f["targets"].items()}
                 self._atomrefs = {n: d[:] for n, d in f.get("atomrefs", {}).items()}
                 self.forces_unit = str(_plain(f["forces"].attrs["unit"])) if "forces" in f else None
+                self.periodic = "cell" in f
+                self.stress_unit = str(_plain(f["stress"].attrs["unit"])) if "stress" in f else None
                 shapes = (f["z"].shape, f["pos"].shape)
         except StoreError:
             raise
@@ -461,6 +539,29 @@ class MoleculeStore:
         if not self.has_forces:
             raise StoreError(f"{self.path}: the store holds no forces; re-import them")
         return self._read_all("forces")
+
+    @property
+    def has_stress(self) -> bool:
+        return self.stress_unit is not None
+
+    def cells(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every frame's (cell float64 [M, 3, 3], rows the lattice vectors in Angstrom, and
+        pbc bool [M, 3]); a store without cells (molecules) gives zero cells, pbc all False.
+        Checked as read: a damaged cell raises naming its record."""
+        if not self.periodic:
+            return np.zeros((len(self), 3, 3)), np.zeros((len(self), 3), dtype=bool)
+        f = self._file()
+        cell, pbc = f["cell"][:], f["pbc"][:]
+        self._refuse(invalid_cells(cell, pbc))
+        return cell, pbc
+
+    def stress(self) -> np.ndarray:
+        """Every frame's stress, float64 [M, 3, 3] in ``stress_unit`` (ASE's convention)."""
+        if not self.has_stress:
+            raise StoreError(f"{self.path}: the store holds no stress; re-import it with stress")
+        values = self._file()["stress"][:]
+        self._refuse(invalid_stress(values))
+        return values
 
     def atomic_numbers(self) -> np.ndarray:
         """All atomic numbers at once, uint8 [A] (without reading the positions). Checked as

@@ -33,6 +33,7 @@ from .store import (
     MOLECULE_CHUNK,
     StoreError,
     byte_shuffle,
+    invalid_cells,
     invalid_records,
     root_attributes,
 )
@@ -56,6 +57,8 @@ class StoreWriter:
         key: identifies the content (source and parameters); a partial file with the same key
             and counts is resumed, any other partial file is discarded with a warning.
         descriptions, attrs: as for :func:`schnet_ipu.data.store.write_store`.
+        periodic: the store holds cells and pbc (every :meth:`append` gives them).
+        stress_unit: the store holds stress in this unit (periodic stores only).
     """
 
     def __init__(
@@ -66,7 +69,12 @@ class StoreWriter:
         key: str,
         descriptions: Mapping[str, str] | None = None,
         attrs: Mapping[str, Any] | None = None,
+        periodic: bool = False,
+        stress_unit: str | None = None,
     ) -> None:
+        if stress_unit is not None and not periodic:
+            raise StoreError(f"{path}: a store with stress needs cells (periodic=True)")
+        self.periodic, self.stress_unit = periodic, stress_unit
         self.path = Path(path)
         self.tmp = partial_path(self.path)
         counts = np.asarray(num_atoms, dtype=np.int64)
@@ -127,6 +135,12 @@ class StoreWriter:
         dataset("pos", (atoms, 3), np.float32, ATOM_CHUNK)
         dataset("offsets", (molecules + 1,), np.int64, MOLECULE_CHUNK)[:] = self.offsets
         dataset("ids", (molecules,), np.int64, MOLECULE_CHUNK)
+        if self.periodic:
+            dataset("cell", (molecules, 3, 3), np.float64, MOLECULE_CHUNK)
+            dataset("pbc", (molecules, 3), np.bool_, MOLECULE_CHUNK)
+        if self.stress_unit is not None:
+            stress = dataset("stress", (molecules, 3, 3), np.float64, MOLECULE_CHUNK)
+            stress.attrs["unit"] = self.stress_unit
         f.create_group("targets", track_order=True)
         for name, unit in self.units.items():
             ds = dataset(f"targets/{name}", (molecules,), np.float64, MOLECULE_CHUNK)
@@ -144,10 +158,19 @@ class StoreWriter:
         return f
 
     def append(
-        self, z: np.ndarray, pos: np.ndarray, targets: Mapping[str, np.ndarray], ids: np.ndarray
+        self,
+        z: np.ndarray,
+        pos: np.ndarray,
+        targets: Mapping[str, np.ndarray],
+        ids: np.ndarray,
+        cell: np.ndarray | None = None,
+        pbc: np.ndarray | None = None,
+        stress: np.ndarray | None = None,
     ) -> None:
         """Write the next ``m = len(ids)`` molecules: z [a], pos [a, 3] (a = their atoms),
-        ``targets[name]`` [m]. Checked like ``write_store``: sizes, elements, finite values."""
+        ``targets[name]`` [m]; periodic stores also cell [m, 3, 3] and pbc bool [m, 3], and
+        stress [m, 3, 3] when the store has a stress unit. Checked like ``write_store``:
+        sizes, elements, finite values, cells."""
         first = self.written
         stop = first + len(ids)
         if stop > len(self):
@@ -166,6 +189,9 @@ class StoreWriter:
             if v.shape != (len(ids),):
                 raise StoreError(f"{where}: target {name!r} has shape {v.shape}, not [{len(ids)}]")
         bad = invalid_records(z, pos, self.offsets[first : stop + 1] - lo, values)
+        periodic = self._periodic(where, len(ids), cell, pbc, stress)
+        for m, reason in invalid_cells(*periodic).items():
+            bad.setdefault(m, reason)
         if bad:
             self.refused = True
             m = min(bad)
@@ -176,10 +202,34 @@ class StoreWriter:
         f["z"][lo:hi] = z.astype(np.uint8)
         f["pos"][lo:hi] = pos
         f["ids"][first:stop] = ids
+        for name, values in zip(("cell", "pbc", "stress"), periodic):
+            if values is not None:
+                f[name][first:stop] = values
         f.flush()  # the data reaches the file before the progress mark that vouches for it
         f.attrs["written_molecules"] = stop
         f.flush()
         self.written = stop
+
+    def _periodic(
+        self, where: str, count: int, cell: Any, pbc: Any, stress: Any
+    ) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
+        """(cell [m, 3, 3], pbc [m, 3], stress [m, 3, 3]) of an append, None where the store
+        has none; StoreError when what is given does not match what the store holds."""
+        given = (cell is not None, pbc is not None, stress is not None)
+        if given != (self.periodic, self.periodic, self.stress_unit is not None):
+            raise StoreError(
+                f"{where}: this store takes cell and pbc: {self.periodic}, stress: "
+                f"{self.stress_unit is not None}; got cell, pbc, stress: {given}"
+            )
+        arrays = (
+            None if cell is None else np.asarray(cell, dtype=np.float64),
+            None if pbc is None else np.asarray(pbc, dtype=bool),
+            None if stress is None else np.asarray(stress, dtype=np.float64),
+        )
+        for name, values, shape in zip(("cell", "pbc", "stress"), arrays, [(3, 3), (3,), (3, 3)]):
+            if values is not None and values.shape != (count, *shape):
+                raise StoreError(f"{where}: {name} is {values.shape}, not [{count}, {shape}]")
+        return arrays
 
     def finish(self, extra_attrs: Mapping[str, Any] | None = None) -> Path:
         """Mark the store complete and rename it into place; every molecule must be written."""

@@ -302,11 +302,15 @@ class SchNet(nn.Module):
         """``edge_index`` [2, E], distances [E'] and ``edge_mask`` [E'] for the configured graph.
 
         knn: E = N * k, masked edges are self loops at the cutoff distance. radius: the
-        batch's edges (forward pairs, then the same pairs reversed), masked ones at the cutoff.
+        batch's edges (forward pairs, then the same pairs reversed), masked ones at the cutoff;
+        on periodic batches (``edge_shift`` and ``cell``) each edge reaches the image
+        ``pos[j] + shift @ cell``.
         E' = E, or E / 2 with ``forward_pairs`` (radius only): the forward pairs alone, which
         is all a pair-symmetric filter needs.
         """
         if self.graph == "knn":
+            if batch.cell is not None:
+                raise ValueError("periodic batches need graph='radius' (knn ignores the cell)")
             return self.ops.knn_graph_packed(
                 batch.pos,
                 batch.graph,
@@ -321,7 +325,11 @@ class SchNet(nn.Module):
         if forward_pairs:
             edge_mask = edge_mask[: edge_index.shape[1] // 2]
         pairs = edge_index[:, : len(edge_mask)]
-        dist = self.ops.edge_distance(batch.pos, pairs, edge_mask, self.cutoff)
+        offset = None
+        if batch.edge_shift is not None and batch.cell is not None:
+            shift = batch.edge_shift[: len(edge_mask)]
+            offset = self.ops.cell_offsets(shift, batch.cell, batch.graph, pairs[1])
+        dist = self.ops.edge_distance(batch.pos, pairs, edge_mask, self.cutoff, offset)
         return edge_index, dist, edge_mask
 
     def edge_features(self, dist: Tensor, edge_mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -335,6 +343,8 @@ class SchNet(nn.Module):
         num_nodes, num_graphs = batch.num_nodes, batch.num_graphs
         knn = self.k if self.graph == "knn" else None
         if self.message_passing == "dense":
+            if batch.cell is not None:
+                raise ValueError("periodic batches need message_passing='sparse'")
             edge_index = None  # pair blocks [B, M, M] instead of edges
             dist, edge_mask = dense_graph(batch, self.max_nodes_per_pack, self.cutoff, knn)
         else:

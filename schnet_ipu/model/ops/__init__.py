@@ -12,8 +12,10 @@ The model calls only these primitives, through the flavour object it was built w
 * ``knn_graph_packed(pos, graph, node_mask, nodes_per_pack, k, cutoff)``: the k nearest
   neighbours within the cutoff inside each pack -> (edge_index [2, N k], dist [N k],
   edge_mask [N k]).
-* ``edge_distance(pos, edge_index, edge_mask, cutoff)``: edge lengths [E], masked ones at the
-  cutoff.
+* ``edge_distance(pos, edge_index, edge_mask, cutoff, offset=None)``: edge lengths [E],
+  masked ones at the cutoff; ``offset`` [E, 3] adds periodic images' cell offsets.
+* ``cell_offsets(edge_shift, cell, graph, receiver)``: ``shift @ cell`` [E, 3] per periodic
+  edge, from integer shifts [E, 3] and the cell [G, 3, 3] of the receiver's molecule slot.
 
 Flavours: ``torch`` (:mod:`.torch_ops`: fused kernels, custom autograd, in-place buffers) for
 CPU and CUDA; ``ipu`` (:mod:`.ipu_ops`: only ops PopTorch maps to Poplar) for the IPU and its

@@ -17,12 +17,32 @@ def naive_shifted_softplus(x: Tensor) -> Tensor:
     return torch.log(1.0 + torch.exp(x)) - LOG2
 
 
-def edge_distance(pos: Tensor, edge_index: Tensor, edge_mask: Tensor, cutoff: float) -> Tensor:
+def edge_distance(
+    pos: Tensor,
+    edge_index: Tensor,
+    edge_mask: Tensor,
+    cutoff: float,
+    offset: Tensor | None = None,
+) -> Tensor:
     """Length [E] of each edge in ``edge_index`` [2, E] over ``pos`` [N, 3]; masked edges read
-    ``cutoff``.
+    ``cutoff``. ``offset`` [E, 3] (periodic edges, :func:`cell_offsets`): the edge is the
+    vector ``pos[edge_index[1]] - pos[edge_index[0]] + offset``.
 
     The square root is taken after masking, so masked (zero-length) edges give no NaN gradient.
     """
     diff = pos.index_select(0, edge_index[0]) - pos.index_select(0, edge_index[1])
+    if offset is not None:
+        diff = diff - offset
     sq = diff.square().sum(-1)
     return torch.where(edge_mask, sq, cutoff * cutoff).sqrt()  # a scalar: no host copy
+
+
+def cell_offsets(edge_shift: Tensor, cell: Tensor, graph: Tensor, receiver: Tensor) -> Tensor:
+    """``edge_shift[e] @ cell[slot of receiver[e]]`` [E, 3]: the Cartesian offset of each
+    periodic edge, from integer shifts [E, 3], cells [G, 3, 3] (rows the lattice vectors),
+    each atom's slot ``graph`` [N] in [0, G] (G: padding, which gets a zero cell) and each
+    edge's receiving atom [E]. Differentiable in ``cell`` (the stress's strain); gathers,
+    products and a sum only, which PopTorch maps."""
+    cells = torch.cat([cell, cell.new_zeros((1, 3, 3))])  # [G + 1, 3, 3]
+    per_edge = cells.index_select(0, graph.index_select(0, receiver))  # [E, 3, 3]
+    return (edge_shift.to(cell.dtype).unsqueeze(-1) * per_edge).sum(1)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from schnet_ipu.model.ops.common import LOG2, edge_distance
+from schnet_ipu.model.ops.common import LOG2, cell_offsets, edge_distance
 
 
 def shifted_softplus(x: Tensor) -> Tensor:
@@ -87,3 +87,4 @@ class IpuOps:
     pair_symmetric_conv = staticmethod(pair_symmetric_conv)
     knn_graph_packed = staticmethod(knn_graph_packed)
     edge_distance = staticmethod(edge_distance)
+    cell_offsets = staticmethod(cell_offsets)

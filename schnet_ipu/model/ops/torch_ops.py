@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from schnet_ipu.model.ops.common import LOG2, edge_distance
+from schnet_ipu.model.ops.common import LOG2, cell_offsets, edge_distance
 
 # torch.compiler.is_compiling appeared in torch 2.1; torch 2.0 (the Poplar SDK's) has the
 # torch._dynamo one.
@@ -243,3 +243,4 @@ class TorchOps:
     pair_symmetric_conv = staticmethod(pair_symmetric_conv)
     knn_graph_packed = staticmethod(knn_graph_packed)
     edge_distance = staticmethod(edge_distance)
+    cell_offsets = staticmethod(cell_offsets)
