@@ -106,6 +106,7 @@ class OptimConfig:
     grad_clip: float = 10.0  # max gradient norm; 0 = off
     weight_decay: float = 0.0
     forces_weight: float = 0.0  # weight of the standardised force loss; 0 = energies only
+    stress_weight: float = 0.0  # weight of the standardised stress loss (stores with stress)
     max_minutes: float = 0.0  # wall-clock budget of the training loop; 0 = off (epochs only)
     ema_decay: float = 0.0  # average of the weights for validation, test and model files; 0 = off
 
@@ -205,6 +206,7 @@ NON_NEGATIVE = (
     "optim.grad_clip",
     "optim.weight_decay",
     "optim.forces_weight",
+    "optim.stress_weight",
     "optim.max_minutes",
     "optim.ema_decay",
     "backend.threads",
@@ -312,11 +314,12 @@ def validate(cfg: Config) -> None:
             f"model.k={cfg.model.k} needs packs of more than k atoms, but packing.max_nodes="
             f"{cfg.packing.max_nodes}; lower model.k or raise packing.max_nodes"
         )
-    if cfg.optim.forces_weight > 0 and cfg.backend.compile:
-        raise ConfigError(
-            "optim.forces_weight > 0 trains forces by double backward, which torch.compile "
-            "does not support; set backend.compile=false"
-        )
+    for key in ("forces_weight", "stress_weight"):
+        if getattr(cfg.optim, key) > 0 and cfg.backend.compile:
+            raise ConfigError(
+                f"optim.{key} > 0 trains by double backward, which torch.compile does not "
+                "support; set backend.compile=false"
+            )
     if cfg.data.source == "ase" and not cfg.data.files:
         raise ConfigError("data.source=ase needs data.files: a list of ASE-readable files")
     if cfg.backend.dist_backend == "nccl" and cfg.backend.device == "cpu":

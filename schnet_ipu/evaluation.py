@@ -67,7 +67,11 @@ def evaluate_run(run_dir: Path, split: str = "test") -> dict:
     cfg, data, host, task = load_run(run_dir)
     parts = list(predictions(task, host, make_loader(cfg, data, split)))  # one pass
     metrics = metrics_from_sums(task, error_sums(task, parts), split)
-    result = {"split": split, **metrics, **trivial_baselines(data, split, task.with_forces)}
+    result = {
+        "split": split,
+        **metrics,
+        **trivial_baselines(data, split, task.with_forces, task.with_stress),
+    }
     result["unit"] = data.unit
     energy = tuple(
         np.concatenate([getattr(p, k) for p in parts]) for k in ("energy", "energy_true")

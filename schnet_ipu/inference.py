@@ -7,14 +7,18 @@
 
 Each model is a checkpoint file or a run folder (its best checkpoint); nothing else of the
 run is read, so a model file copied to another machine works there alone. Every structure
-is evaluated on its own by :class:`~schnet_ipu.portable.PortableSchNet` (no packing, its
-own neighbour search), float32 as trained or float64 when asked. An ensemble's prediction
-is the members' mean; ``energy_std`` and ``forces_std`` are their spread (population
-standard deviation over members, 0 for one model).
+is evaluated on its own, float32 as trained or float64 when asked: a molecule or cluster by
+:class:`~schnet_ipu.portable.PortableSchNet` (no packing, its own neighbour search), a
+periodic frame (a cell and any ``pbc``) by the trained model on one pack of its own size
+with vesin's periodic pairs, giving the stress too (:mod:`schnet_ipu.stress`, ASE's
+convention, eV/Angstrom^3). An ensemble's prediction is the members' mean; the ``*_std``
+fields are their spread (population standard deviation over members, 0 for one model).
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import logging
 import warnings
@@ -25,10 +29,15 @@ from typing import Sequence, Union  # typing's forms: a runtime alias on Python 
 import numpy as np
 import torch
 
-from schnet_ipu.data.ase_files import check_frame, read_frames
+from schnet_ipu.config import ConfigError
+from schnet_ipu.data.ase_files import check_frame, frame_cell, read_frames
+from schnet_ipu.data.periodic_pairs import frame_pairs
 from schnet_ipu.errors import CheckpointError
+from schnet_ipu.loader import Layout, PackMolecule, collate
+from schnet_ipu.model import SchNet
 from schnet_ipu.model_file import ModelSpec, load_trained
 from schnet_ipu.portable import PortableSchNet
+from schnet_ipu.stress import energy_forces_stress
 
 log = logging.getLogger("schnet_ipu")
 
@@ -44,6 +53,8 @@ class Prediction:
     forces: np.ndarray
     energy_std: float
     forces_std: np.ndarray
+    stress: np.ndarray | None = None  # [3, 3] periodic frames only
+    stress_std: np.ndarray | None = None
 
 
 def model_paths(models: ModelPaths) -> list[Path]:
@@ -72,29 +83,73 @@ class Predictor:
             raise CheckpointError(f"an ensemble needs one energy unit; its members use {units}")
         self.specs: list[ModelSpec] = [m.spec for m in members]
         self.modules = [PortableSchNet.from_trained(m).to(dtype) for m in members]
+        self.packed = [copy.deepcopy(m.model).to(dtype).eval() for m in members]  # periodic
         self.dtype = dtype
         self.unit = members[0].spec.unit
         self.forces_unit = members[0].spec.forces_unit
 
-    def predict(self, z: np.ndarray, pos: np.ndarray, where: str = "structure") -> Prediction:
+    def predict(
+        self,
+        z: np.ndarray,
+        pos: np.ndarray,
+        where: str = "structure",
+        cell: np.ndarray | None = None,
+        pbc: np.ndarray | None = None,
+    ) -> Prediction:
         """The prediction for atomic numbers ``z`` [n] and positions ``pos`` [n, 3] in
-        Angstrom; an element a member never saw raises a ConfigError naming ``where``."""
+        Angstrom, periodic when ``cell`` [3, 3] (rows) and some ``pbc`` [3] are given; an
+        element a member never saw raises a ConfigError naming ``where``."""
         for spec in self.specs:
             spec.check_elements(np.asarray(z), where)
-        z_t = torch.as_tensor(np.asarray(z, dtype=np.int64))
-        pos_t = torch.as_tensor(np.asarray(pos), dtype=self.dtype)
-        energies, forces = [], []
-        for module in self.modules:
-            energy, force = module(z_t, pos_t)
-            energies.append(float(energy))
-            forces.append(force.detach().double().numpy())
-        stacked = np.stack(forces)
+        periodic = cell is not None and pbc is not None and bool(np.any(pbc))
+        results = []
+        for spec, module, packed in zip(self.specs, self.modules, self.packed):
+            if periodic:
+                results.append(self._periodic(spec, packed, z, pos, cell, pbc, where))
+            else:
+                z_t = torch.as_tensor(np.asarray(z, dtype=np.int64))
+                energy, force = module(z_t, torch.as_tensor(np.asarray(pos), dtype=self.dtype))
+                results.append((float(energy), force.detach().double().numpy(), None))
+        energies = np.array([energy for energy, _, _ in results])
+        forces = np.stack([force for _, force, _ in results])
+        stress = np.stack([s for _, _, s in results]) if periodic else None
         return Prediction(
-            energy=float(np.mean(energies)),
-            forces=stacked.mean(axis=0),
-            energy_std=float(np.std(energies)),
-            forces_std=stacked.std(axis=0),
+            energy=float(energies.mean()),
+            forces=forces.mean(axis=0),
+            energy_std=float(energies.std()),
+            forces_std=forces.std(axis=0),
+            stress=None if stress is None else stress.mean(axis=0),
+            stress_std=None if stress is None else stress.std(axis=0),
         )
+
+    def _periodic(
+        self,
+        spec: ModelSpec,
+        model: SchNet,
+        z: np.ndarray,
+        pos: np.ndarray,
+        cell: np.ndarray,
+        pbc: np.ndarray,
+        where: str,
+    ) -> tuple[float, np.ndarray, np.ndarray]:
+        """(energy, forces [n, 3], stress [3, 3]) of one periodic frame: the trained model on
+        one pack of the frame's own size."""
+        if spec.model["graph"] != "radius":
+            raise ConfigError(f"{where}: periodic frames need a radius-graph model, not knn")
+        cutoff = spec.cutoff
+        pairs = len(frame_pairs(np.asarray(pos, np.float32), cell, pbc, cutoff)[0])
+        layout = Layout(1, len(z), 1, max(2 * pairs, 2), cutoff)
+        molecule = PackMolecule(np.asarray(z), np.asarray(pos), 0.0, 0, cell=cell, pbc=pbc)
+        batch = collate([[molecule]], layout, with_forces=False)
+        batch = dataclasses.replace(  # the frame's own coordinates, not float32's
+            batch,
+            pos=torch.as_tensor(np.asarray(pos), dtype=self.dtype),
+            cell=torch.as_tensor(np.asarray(cell), dtype=self.dtype).unsqueeze(0),
+        )
+        model.max_nodes_per_pack = len(z)
+        energy, forces, stress = energy_forces_stress(model, batch, create_graph=False)
+        total = float(energy[0].detach()) + spec.transform.reference(np.asarray(z, dtype=np.int64))
+        return total, forces.detach().double().numpy(), stress[0].detach().double().numpy()
 
 
 def predict_file(models: ModelPaths, input_path: Path, out: Path) -> int:
@@ -105,25 +160,33 @@ def predict_file(models: ModelPaths, input_path: Path, out: Path) -> int:
     from ase import Atoms
 
     frames = read_frames(input_path)
-    structures = [check_frame(atoms, f"{input_path}, frame {i}") for i, atoms in enumerate(frames)]
+    places = [f"{input_path}, frame {i}" for i in range(len(frames))]
+    structures = [(*check_frame(a, at), *frame_cell(a, at)) for a, at in zip(frames, places)]
     predictor = Predictor(models)
     ensemble = len(predictor.modules) > 1
     written = []
-    for i, (atoms, (z, pos)) in enumerate(zip(frames, structures)):
-        result = predictor.predict(z, pos, f"{input_path}, frame {i}")
-        copy = Atoms(atoms.numbers, atoms.positions, cell=atoms.cell, pbc=atoms.pbc)
-        copy.info.update({k: v for k, v in atoms.info.items() if k != "energy"})
-        copy.info["energy"] = result.energy
-        copy.arrays["forces"] = result.forces
+    for atoms, (z, pos, cell, pbc), at in zip(frames, structures, places):
+        result = predictor.predict(z, pos, at, cell, pbc)
+        written_atoms = Atoms(atoms.numbers, atoms.positions, cell=atoms.cell, pbc=atoms.pbc)
+        written_atoms.info.update({k: v for k, v in atoms.info.items() if k != "energy"})
+        written_atoms.info["energy"] = result.energy
+        written_atoms.arrays["forces"] = result.forces
+        if result.stress is not None:
+            written_atoms.info["stress"] = voigt(result.stress)
         if ensemble:
-            copy.info["energy_std"] = result.energy_std
-            copy.arrays["forces_std"] = result.forces_std
-        written.append(copy)
+            written_atoms.info["energy_std"] = result.energy_std
+            written_atoms.arrays["forces_std"] = result.forces_std
+        written.append(written_atoms)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
     ase.io.write(tmp, written, format="extxyz")
     tmp.replace(out)
     return len(written)
+
+
+def voigt(stress: np.ndarray) -> np.ndarray:
+    """A [3, 3] stress as ASE's Voigt [6]: xx, yy, zz, yz, xz, xy."""
+    return stress[[0, 1, 2, 1, 0, 0], [0, 1, 2, 2, 2, 1]]
 
 
 def export_model(

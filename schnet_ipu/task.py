@@ -9,7 +9,7 @@ One object per objective, in the spirit of schnetpack's tasks: it owns
 * the target transform (:class:`TargetTransform`): the model learns the target minus the
   store's per-element atom references (QM9's atomisation energies), in units of its spread
   around the dressed-atom fit (the loss scale); predictions get the references back;
-* the loss: standardised squared energy error, plus a standardised force term;
+* the loss: standardised squared energy error, plus standardised force and stress terms;
 * the metrics, all from one pass over a split (with forces, energies come from the same
   autograd evaluation that gives the forces);
 * its parameters, which every checkpoint holds (:meth:`Task.to_dict`), so a model file needs
@@ -32,6 +32,7 @@ from schnet_ipu.batch import Batch
 from schnet_ipu.config import Config, ConfigError
 from schnet_ipu.forces import atoms_per_molecule, energy_and_forces, force_rms
 from schnet_ipu.pipeline import PreparedData
+from schnet_ipu.stress import energy_forces_stress
 
 NUM_REFERENCE_ELEMENTS = 119  # atom references are indexed by atomic number 0..118
 
@@ -76,6 +77,8 @@ class Predictions:
     atoms: np.ndarray  # [M] atoms per molecule
     forces: np.ndarray | None = None  # [A, 3] predicted, real atoms only
     forces_true: np.ndarray | None = None  # [A, 3]
+    stress: np.ndarray | None = None  # [P, 3, 3] predicted, real slots with a cell
+    stress_true: np.ndarray | None = None  # [P, 3, 3]
 
 
 class Task(Protocol):
@@ -83,6 +86,7 @@ class Task(Protocol):
 
     transform: TargetTransform
     with_forces: bool
+    with_stress: bool
 
     def loss(self, model: nn.Module, batch: Batch) -> Tensor:
         """Differentiable scalar: the backends' ``loss_fn``."""
@@ -101,6 +105,7 @@ class EnergyTask:
     """Energies only: loss = mean over real molecules of ((E - E_ref) / scale)^2."""
 
     with_forces = False
+    with_stress = False
 
     def __init__(self, transform: TargetTransform) -> None:
         self.transform = transform
@@ -125,27 +130,47 @@ class EnergyForceTask:
     prediction scores about 1 when ``s_F`` is the RMS force component of the training split,
     as a mean-energy prediction does for ``s_E``. Padding atoms have zero force and no term.
     Forces are ``-dE/dpos`` by double backward, differentiable in the parameters.
+
+    Stores with stress (periodic frames) are scored on it too, and with ``stress_weight``
+    > 0 the loss gains ``w_s * mean over real slots with a cell of |S - S_ref|^2 / (9
+    s_S^2)``, ``s_S`` the RMS stress component of the training split; stress is ``dE/deps /
+    V`` by the strain route (:mod:`schnet_ipu.stress`), in ASE's convention.
     """
 
     with_forces = True
 
-    def __init__(self, transform: TargetTransform, force_scale: float, weight: float) -> None:
+    def __init__(
+        self,
+        transform: TargetTransform,
+        force_scale: float,
+        weight: float,
+        stress_scale: float | None = None,
+        stress_weight: float = 0.0,
+    ) -> None:
         self.transform = transform
         self.force_scale = force_scale
         self.weight = weight
+        self.stress_scale = stress_scale  # None: the store has no stress
+        self.stress_weight = stress_weight
+        self.with_stress = stress_scale is not None
         self.reset()
 
     def reset(self) -> None:
         self._sums: Tensor | None = None  # [4]: |E err| / atoms, molecules, |F err|, components
 
     def loss(self, model: nn.Module, batch: Batch) -> Tensor:
-        if self.weight == 0:  # energies only (no double backward); forces are still scored
+        if self.weight == 0 and self.stress_weight == 0:  # energies only; the rest is scored
             return masked_mse(model(batch), batch.y, batch.graph_mask, self.transform.scale)
         if batch.forces is None:
             raise ValueError(
                 "optim.forces_weight > 0 needs batches with forces (a store with forces)"
             )
-        energy, forces = energy_and_forces(model, batch, create_graph=True)
+        stress_loss = None
+        if self.stress_weight > 0:
+            energy, forces, stress = energy_forces_stress(model, batch, create_graph=True)
+            stress_loss = self._stress_loss(stress, batch)
+        else:
+            energy, forces = energy_and_forces(model, batch, create_graph=True)
         energy_loss = masked_mse(energy, batch.y, batch.graph_mask, self.transform.scale)
         real = batch.node_mask.unsqueeze(1)
         error = torch.where(real, forces - batch.forces, 0.0)  # [N, 3]
@@ -162,7 +187,17 @@ class EnergyForceTask:
                 ]
             )
             self._sums = sums if self._sums is None else self._sums + sums
-        return energy_loss + self.weight * force_loss
+        loss = energy_loss + self.weight * force_loss
+        return loss if stress_loss is None else loss + self.stress_weight * stress_loss
+
+    def _stress_loss(self, stress: Tensor, batch: Batch) -> Tensor:
+        """Mean over real slots with a cell of |S - S_ref|^2 / (9 s_S^2)."""
+        if batch.stress is None or batch.cell is None:
+            raise ValueError("optim.stress_weight > 0 needs batches with stress (a store with it)")
+        periodic = batch.graph_mask & (torch.linalg.det(batch.cell).abs() > 0)
+        error = torch.where(periodic.view(-1, 1, 1), stress - batch.stress, 0.0)
+        slots = 9 * periodic.sum().clamp(min=1)
+        return error.square().sum() / (slots * self.stress_scale**2)
 
     def training_metrics(self) -> dict[str, float]:
         if self._sums is None:
@@ -179,6 +214,8 @@ class EnergyForceTask:
             "transform": self.transform.to_dict(),
             "force_scale": self.force_scale,
             "weight": self.weight,
+            "stress_scale": self.stress_scale,
+            "stress_weight": self.stress_weight,
         }
 
 
@@ -190,12 +227,24 @@ def make_task(cfg: Config, data: PreparedData) -> EnergyTask | EnergyForceTask:
     if cfg.data.atomrefs and atomref is not None:
         reference[: len(atomref)] = atomref
     transform = TargetTransform(tuple(reference.tolist()), data.residual_std)
+    if cfg.optim.stress_weight > 0 and not data.store.has_stress:
+        raise ConfigError(
+            f"optim.stress_weight > 0, but {data.store.path} holds no stress; import frames "
+            "with stress (atoms.info['stress'] or the calculator's) or set optim.stress_weight=0"
+        )
     if not data.store.has_forces:
-        if cfg.optim.forces_weight > 0:
-            raise ConfigError(f"optim.forces_weight > 0, but {data.store.path} holds no forces")
+        for key in ("forces_weight", "stress_weight"):
+            if getattr(cfg.optim, key) > 0:
+                raise ConfigError(f"optim.{key} > 0, but {data.store.path} holds no forces")
         return EnergyTask(transform)
     scale = force_rms(data.store, data.split["train"])  # forces are scored even at weight 0
-    return EnergyForceTask(transform, scale, cfg.optim.forces_weight)
+    stress_scale = None
+    if data.store.has_stress:
+        stress = data.store.stress()[data.split["train"]]
+        stress_scale = float(np.sqrt(np.mean(stress**2))) or 1.0
+    return EnergyForceTask(
+        transform, scale, cfg.optim.forces_weight, stress_scale, cfg.optim.stress_weight
+    )
 
 
 class Evaluator(Protocol):
@@ -214,7 +263,13 @@ def predictions(task: Task, backend: Evaluator, loader) -> Iterator[Predictions]
     for energy tasks; energies and forces in one autograd evaluation for force tasks."""
     for call in loader.epoch(0):
         for batch in call:
-            if task.with_forces:
+            stress = None
+            if task.with_stress:
+                backend.model.eval()
+                on_device = batch.to(backend.device)
+                energy, forces, stress = energy_forces_stress(backend.model, on_device, False)
+                energy, forces, stress = energy.detach(), forces.detach(), stress.detach()
+            elif task.with_forces:
                 backend.model.eval()
                 energy, forces = energy_and_forces(
                     backend.model, batch.to(backend.device), create_graph=False
@@ -224,6 +279,9 @@ def predictions(task: Task, backend: Evaluator, loader) -> Iterator[Predictions]
                 energy, forces = backend.predict(batch), None
             batch = batch.to("cpu")  # (device-resident batches live on the GPU)
             mol, real = batch.graph_mask.numpy(), batch.node_mask.numpy()
+            if stress is not None:  # real slots with a cell
+                cells = batch.cell.double().numpy()
+                periodic = mol & (np.abs(np.linalg.det(cells)) > 0)
             yield Predictions(
                 index=batch.molecule_index.numpy()[mol],
                 energy=energy.double().cpu().numpy()[mol],
@@ -231,16 +289,20 @@ def predictions(task: Task, backend: Evaluator, loader) -> Iterator[Predictions]
                 atoms=atoms_per_molecule(batch).double().numpy()[mol],
                 forces=None if forces is None else forces.double().cpu().numpy()[real],
                 forces_true=None if forces is None else batch.forces.double().numpy()[real],
+                stress=None if stress is None else stress.double().cpu().numpy()[periodic],
+                stress_true=None if stress is None else batch.stress.double().numpy()[periodic],
             )
 
 
 def error_sums(task: Task, parts: Iterator[Predictions]) -> Tensor:
-    """float64 [7]: sums of |error|, error^2, (error / scale)^2, molecules, |error| / atoms,
-    |force component error|, force components; they add up over batches and replicas."""
-    sums = torch.zeros(7, dtype=torch.float64)
+    """float64 [9]: sums of |error|, error^2, (error / scale)^2, molecules, |error| / atoms,
+    |force component error|, force components, |stress component error|, stress components;
+    they add up over batches and replicas."""
+    sums = torch.zeros(9, dtype=torch.float64)
     for p in parts:
         error = p.energy - p.energy_true
         force_error = 0.0 if p.forces is None else np.abs(p.forces - p.forces_true).sum()
+        stress_error = 0.0 if p.stress is None else np.abs(p.stress - p.stress_true).sum()
         sums += torch.tensor(
             [
                 np.abs(error).sum(),
@@ -250,6 +312,8 @@ def error_sums(task: Task, parts: Iterator[Predictions]) -> Tensor:
                 (np.abs(error) / p.atoms).sum(),
                 force_error,
                 0 if p.forces is None else p.forces.size,
+                stress_error,
+                0 if p.stress is None else p.stress.size,
             ],
             dtype=torch.float64,
         )
@@ -259,7 +323,7 @@ def error_sums(task: Task, parts: Iterator[Predictions]) -> Tensor:
 def metrics_from_sums(task: Task, sums: Tensor, split: str) -> dict[str, float]:
     """mae, rmse, loss (the standardised energy error, comparable with the training loss),
     molecules; with forces also energy_mae_per_atom and force_mae."""
-    abs_sum, sq_sum, loss_sum, count, per_atom, f_abs, components = sums.tolist()
+    abs_sum, sq_sum, loss_sum, count, per_atom, f_abs, components, s_abs, s_count = sums.tolist()
     if count == 0:
         raise ConfigError(f"the {split} split has no molecules to evaluate")
     metrics = {
@@ -271,6 +335,8 @@ def metrics_from_sums(task: Task, sums: Tensor, split: str) -> dict[str, float]:
     if task.with_forces:
         metrics["energy_mae_per_atom"] = per_atom / count
         metrics["force_mae"] = f_abs / max(components, 1)
+    if task.with_stress:
+        metrics["stress_mae"] = s_abs / max(s_count, 1)
     return metrics
 
 
@@ -283,7 +349,9 @@ def evaluate(task: Task, backend: Evaluator, loader, split: str, world_size: int
     return metrics_from_sums(task, sums.cpu(), split)
 
 
-def trivial_baselines(data: PreparedData, split: str, with_forces: bool) -> dict[str, float]:
+def trivial_baselines(
+    data: PreparedData, split: str, with_forces: bool, with_stress: bool = False
+) -> dict[str, float]:
     """Errors of trivial predictors on ``split``: the dressed-atom fit (``baseline_mae``);
     with forces also energy = atoms x the training mean energy per atom (MAE per atom) and
     forces = 0 (MAE per component)."""
@@ -301,6 +369,13 @@ def trivial_baselines(data: PreparedData, split: str, with_forces: bool) -> dict
         np.abs(targets[index] / atoms[index] - mean_per_atom).mean()
     )
     baselines["baseline_force_mae"] = float(np.abs(components).mean())
+    if with_stress:  # the training split's mean stress, over frames with a cell
+        stress = store.stress()
+        cells, _ = store.cells()
+        periodic = np.abs(np.linalg.det(cells)) > 0
+        train_p, split_p = train[periodic[train]], index[periodic[index]]
+        mean = stress[train_p].mean(axis=0)
+        baselines["baseline_stress_mae"] = float(np.abs(stress[split_p] - mean).mean())
     return baselines
 
 
@@ -309,4 +384,11 @@ def task_from_dict(raw: dict[str, Any]) -> EnergyTask | EnergyForceTask:
     transform = TargetTransform.from_dict(raw["transform"])
     if raw["kind"] == "energy":
         return EnergyTask(transform)
-    return EnergyForceTask(transform, float(raw["force_scale"]), float(raw["weight"]))
+    stress_scale = raw.get("stress_scale")
+    return EnergyForceTask(
+        transform,
+        float(raw["force_scale"]),
+        float(raw["weight"]),
+        None if stress_scale is None else float(stress_scale),
+        float(raw.get("stress_weight", 0.0)),
+    )

@@ -230,7 +230,7 @@ def write_final(
 ) -> None:
     """The final record (test errors beside the trivial baselines), the log line, the plot."""
     final = {f"test_{k}": v for k, v in test.items() if k != "molecules"}
-    baselines = trivial_baselines(data, "test", task.with_forces)
+    baselines = trivial_baselines(data, "test", task.with_forces, task.with_stress)
     final["baseline_test_mae"] = baselines.pop("baseline_mae")
     runlog.write(
         "final",
