@@ -50,6 +50,23 @@ def tiny(store: Path, run_dir: Path, *extra: str):
     )
 
 
+class Killed(BaseException):
+    """A simulated kill: nothing in the program catches it."""
+
+
+def kill_after_first_checkpoint(monkeypatch) -> None:
+    """The next run dies right after writing its first last.pt (undone by ``restore``)."""
+    save = training.save_checkpoint
+
+    def killed_after_first(path, state):
+        save(path, state)
+        if path.name == "last.pt":
+            monkeypatch.setattr(training, "save_checkpoint", save)
+            raise Killed
+
+    monkeypatch.setattr(training, "save_checkpoint", killed_after_first)
+
+
 def test_budget_stops_the_run_and_a_resume_keeps_the_total(store, tmp_path, monkeypatch):
     """A 6 s budget with 10,000 epochs allowed: the run stops once 6 s of training loop are
     counted, validates, saves and tests. Killed after its first checkpoint and re-run, the
@@ -65,21 +82,10 @@ def test_budget_stops_the_run_and_a_resume_keeps_the_total(store, tmp_path, monk
     lrs = [r["lr"] for r in epochs]
     assert len(lrs) >= 2 and lrs[-1] < 0.5 * lrs[0]  # the cosine follows the budget's time
 
-    class Killed(BaseException):
-        pass
-
-    save = training.save_checkpoint
-
-    def killed_after_first(path, state):
-        save(path, state)
-        if path.name == "last.pt":
-            raise Killed
-
     run_dir = tmp_path / "killed"
-    monkeypatch.setattr(training, "save_checkpoint", killed_after_first)
+    kill_after_first_checkpoint(monkeypatch)
     with pytest.raises(Killed):
         train(tiny(store, run_dir, f"optim.max_minutes={budget}", "optim.epochs=10000"))
-    monkeypatch.setattr(training, "save_checkpoint", save)
     spent = torch.load(run_dir / "checkpoints/last.pt", weights_only=True)["budget_seconds"]
     assert 0 < spent < 60 * budget
     resumed = train(tiny(store, run_dir, f"optim.max_minutes={budget}", "optim.epochs=10000"))
@@ -104,20 +110,9 @@ def test_average_of_the_weights_is_what_runs_evaluate_save_and_resume(store, tmp
         final["test_mae"], rel=1e-6
     )
 
-    class Killed(BaseException):
-        pass
-
-    save = training.save_checkpoint
-
-    def killed_after_first(path, state):
-        save(path, state)
-        if path.name == "last.pt":
-            raise Killed
-
-    monkeypatch.setattr(training, "save_checkpoint", killed_after_first)
+    kill_after_first_checkpoint(monkeypatch)
     with pytest.raises(Killed):
         train(tiny(store, tmp_path / "resumed", ema, "optim.epochs=3"))
-    monkeypatch.setattr(training, "save_checkpoint", save)
     train(tiny(store, tmp_path / "resumed", ema, "optim.epochs=3"))  # resumes after epoch 0
     again = torch.load(tmp_path / "resumed/checkpoints/last.pt", weights_only=True)
     for key in ("model", "train_model"):

@@ -235,30 +235,39 @@ class _PairTable:
         return cls(torch.from_numpy(i), torch.from_numpy(j), code)
 
 
-def _save(path: Path, pairs: RadiusPairs, store: MoleculeStore) -> None:
+def save_pairs_file(
+    path: Path,
+    arrays: dict[str, np.ndarray],
+    version: int,
+    store: MoleculeStore,
+    cutoff: float,
+    checksum: int,
+) -> None:
+    """Write a pairs file: its ``arrays`` and what ties them to ``store`` and ``cutoff``."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.npz")  # concurrent writers: own files
     np.savez(
         tmp,
-        i=pairs.i,
-        j=pairs.j,
-        offsets=pairs.offsets,
-        version=PAIRS_VERSION,
+        **arrays,
+        version=version,
         created=str(store.attrs.get("created", "")),
         num_molecules=len(store),
         num_atoms=int(store.offsets[-1]),
-        cutoff=pairs.cutoff,
-        checksum=pairs.checksum(),
+        cutoff=cutoff,
+        checksum=checksum,
     )
     tmp.replace(path)
 
 
-def _load(path: Path, store: MoleculeStore, cutoff: float) -> tuple[RadiusPairs | None, str | None]:
-    """(pairs, None) when the file belongs to this store and cutoff, else (None, why not)."""
+def load_pairs_file(
+    path: Path, store: MoleculeStore, cutoff: float, version: int, names: tuple[str, ...]
+) -> tuple[dict[str, np.ndarray] | None, int, str | None]:
+    """(arrays ``names``, saved checksum, None) when the file was written by
+    :func:`save_pairs_file` for this store, cutoff and ``version``, else (None, 0, why not)."""
     try:
         with np.load(path) as saved:
-            meta = {k: saved[k] for k in saved.files if k not in ("i", "j", "offsets")}
-            if int(meta.get("version", -1)) != PAIRS_VERSION:
-                return None, f"pairs file version {meta.get('version')} != {PAIRS_VERSION}"
+            meta = {k: saved[k] for k in saved.files if k not in names}
+            if int(meta.get("version", -1)) != version:
+                return None, 0, f"pairs file version {meta.get('version')} != {version}"
             expected = {
                 "created": str(store.attrs.get("created", "")),
                 "num_molecules": len(store),
@@ -267,10 +276,25 @@ def _load(path: Path, store: MoleculeStore, cutoff: float) -> tuple[RadiusPairs 
             }
             for key, value in expected.items():
                 if type(value)(meta[key]) != value:
-                    return None, f"written for another store or cutoff ({key} differs)"
-            pairs = RadiusPairs(saved["i"], saved["j"], saved["offsets"], float(cutoff))
+                    return None, 0, f"written for another store or cutoff ({key} differs)"
+            return {k: saved[k] for k in names}, int(meta["checksum"]), None
     except Exception as err:  # a truncated or foreign file: any read error means rebuild
-        return None, f"unreadable ({type(err).__name__}: {err})"
-    if len(pairs.offsets) != len(store) + 1 or pairs.checksum() != int(meta["checksum"]):
+        return None, 0, f"unreadable ({type(err).__name__}: {err})"
+
+
+def _save(path: Path, pairs: RadiusPairs, store: MoleculeStore) -> None:
+    arrays = {"i": pairs.i, "j": pairs.j, "offsets": pairs.offsets}
+    save_pairs_file(path, arrays, PAIRS_VERSION, store, pairs.cutoff, pairs.checksum())
+
+
+def _load(path: Path, store: MoleculeStore, cutoff: float) -> tuple[RadiusPairs | None, str | None]:
+    """(pairs, None) when the file belongs to this store and cutoff, else (None, why not)."""
+    arrays, checksum, problem = load_pairs_file(
+        path, store, cutoff, PAIRS_VERSION, ("i", "j", "offsets")
+    )
+    if arrays is None:
+        return None, problem
+    pairs = RadiusPairs(arrays["i"], arrays["j"], arrays["offsets"], float(cutoff))
+    if len(pairs.offsets) != len(store) + 1 or pairs.checksum() != checksum:
         return None, "checksum mismatch (corrupt)"
     return pairs, None

@@ -31,7 +31,6 @@ periodic, quantities)``).
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import time
 import warnings
@@ -44,7 +43,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from .pairs import RadiusPairs
+from .pairs import RadiusPairs, load_pairs_file, save_pairs_file
 from .store import MoleculeStore, StoreError
 
 log = logging.getLogger(__name__)
@@ -219,46 +218,20 @@ def _canonical(
 
 
 def _save(path: Path, pairs: PeriodicPairs, store: MoleculeStore) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.npz")  # concurrent writers: own files
-    np.savez(
-        tmp,
-        i=pairs.i,
-        j=pairs.j,
-        shift=pairs.shift,
-        offsets=pairs.offsets,
-        version=PERIODIC_PAIRS_VERSION,
-        created=str(store.attrs.get("created", "")),
-        num_molecules=len(store),
-        num_atoms=int(store.offsets[-1]),
-        cutoff=pairs.cutoff,
-        checksum=pairs.checksum(),
-    )
-    tmp.replace(path)
+    arrays = {"i": pairs.i, "j": pairs.j, "shift": pairs.shift, "offsets": pairs.offsets}
+    save_pairs_file(path, arrays, PERIODIC_PAIRS_VERSION, store, pairs.cutoff, pairs.checksum())
 
 
 def _load(
     path: Path, store: MoleculeStore, cutoff: float
 ) -> tuple[PeriodicPairs | None, str | None]:
     """(pairs, None) when the file belongs to this store and cutoff, else (None, why not)."""
-    arrays = ("i", "j", "shift", "offsets")
-    try:
-        with np.load(path) as saved:
-            meta = {k: saved[k] for k in saved.files if k not in arrays}
-            if int(meta.get("version", -1)) != PERIODIC_PAIRS_VERSION:
-                return None, f"version {meta.get('version')} != {PERIODIC_PAIRS_VERSION}"
-            expected = {
-                "created": str(store.attrs.get("created", "")),
-                "num_molecules": len(store),
-                "num_atoms": int(store.offsets[-1]),
-                "cutoff": float(cutoff),
-            }
-            for key, value in expected.items():
-                if type(value)(meta[key]) != value:
-                    return None, f"written for another store or cutoff ({key} differs)"
-            i, j, shift, offsets = (saved[k] for k in arrays)
-            pairs = PeriodicPairs(i, j, offsets, float(cutoff), shift)
-    except Exception as err:  # a truncated or foreign file: any read error means rebuild
-        return None, f"unreadable ({type(err).__name__}: {err})"
-    if len(pairs.offsets) != len(store) + 1 or pairs.checksum() != int(meta["checksum"]):
+    names = ("i", "j", "shift", "offsets")
+    arrays, checksum, problem = load_pairs_file(path, store, cutoff, PERIODIC_PAIRS_VERSION, names)
+    if arrays is None:
+        return None, problem
+    i, j, shift, offsets = (arrays[k] for k in names)
+    pairs = PeriodicPairs(i, j, offsets, float(cutoff), shift)
+    if len(pairs.offsets) != len(store) + 1 or pairs.checksum() != checksum:
         return None, "checksum mismatch (corrupt)"
     return pairs, None
