@@ -31,22 +31,29 @@ AVAILABLE = numba is not None
 
 def _forward_loop(x, src, dst, coeffs, index, t, mask, num_slices, out):  # pragma: no cover
     """out[dst[e]] += x[src[e]] * W(e) for every edge; ``index``/``t``/``mask`` [P] describe
-    P filters, edge e uses filter ``e % P`` (E = P, or E = 2P for pair-symmetric storage)."""
+    P filters, edge e uses filter ``e % P`` (E = P, or E = 2P for pair-symmetric storage).
+
+    Written over row slices with unit-stride inner loops, which numba vectorises (with
+    ``fastmath``: 3x faster than indexing [row, f] in the inner loop on the 2-core box)."""
     num_filters, num_features = index.shape[0], x.shape[1]
     copies = src.shape[0] // num_filters
     width = (num_features + num_slices - 1) // num_slices
     for slice_ in numba.prange(num_slices):
         start, stop = slice_ * width, min(num_features, slice_ * width + width)
+        filt = np.empty(stop - start, dtype=x.dtype)
         for p in range(num_filters):
             if not mask[p]:
                 continue
             k, tp = index[p], t[p]
-            for f in range(start, stop):
-                w = ((coeffs[k, 3, f] * tp + coeffs[k, 2, f]) * tp + coeffs[k, 1, f]) * tp
-                w += coeffs[k, 0, f]
-                for c in range(copies):
-                    e = p + c * num_filters
-                    out[dst[e], f] += x[src[e], f] * w
+            c0, c1 = coeffs[k, 0, start:stop], coeffs[k, 1, start:stop]
+            c2, c3 = coeffs[k, 2, start:stop], coeffs[k, 3, start:stop]
+            for f in range(stop - start):
+                filt[f] = ((c3[f] * tp + c2[f]) * tp + c1[f]) * tp + c0[f]
+            for c in range(copies):
+                e = p + c * num_filters
+                row, source = out[dst[e], start:stop], x[src[e], start:stop]
+                for f in range(stop - start):
+                    row[f] += source[f] * filt[f]
 
 
 def _backward_loop(
@@ -59,35 +66,42 @@ def _backward_loop(
     width = (num_features + num_slices - 1) // num_slices
     for slice_ in numba.prange(num_slices):
         start, stop = slice_ * width, min(num_features, slice_ * width + width)
+        filt = np.empty(stop - start, dtype=x.dtype)
+        grad_filt = np.empty(stop - start, dtype=x.dtype)
         for p in range(num_filters):
             if not mask[p]:
                 continue
             k, tp = index[p], t[p]
+            c0, c1 = coeffs[k, 0, start:stop], coeffs[k, 1, start:stop]
+            c2, c3 = coeffs[k, 2, start:stop], coeffs[k, 3, start:stop]
+            for f in range(stop - start):
+                filt[f] = ((c3[f] * tp + c2[f]) * tp + c1[f]) * tp + c0[f]
+                grad_filt[f] = 0.0
+            for c in range(copies):
+                e = p + c * num_filters
+                source, incoming = x[src[e], start:stop], grad[dst[e], start:stop]
+                row = grad_x[src[e], start:stop]
+                for f in range(stop - start):
+                    grad_filt[f] += source[f] * incoming[f]
+                    row[f] += incoming[f] * filt[f]
+            g0, g1 = grad_coeffs[k, 0, start:stop], grad_coeffs[k, 1, start:stop]
+            g2, g3 = grad_coeffs[k, 2, start:stop], grad_coeffs[k, 3, start:stop]
             tp2 = tp * tp
             slope_sum = 0.0
-            for f in range(start, stop):
-                c0, c1, c2, c3 = coeffs[k, 0, f], coeffs[k, 1, f], coeffs[k, 2, f], coeffs[k, 3, f]
-                w = ((c3 * tp + c2) * tp + c1) * tp + c0
-                g = 0.0
-                for c in range(copies):
-                    e = p + c * num_filters
-                    g += x[src[e], f] * grad[dst[e], f]
-                    grad_x[src[e], f] += grad[dst[e], f] * w
-                grad_coeffs[k, 0, f] += g
-                grad_coeffs[k, 1, f] += g * tp
-                grad_coeffs[k, 2, f] += g * tp2
-                grad_coeffs[k, 3, f] += g * tp2 * tp
-                slope_sum += g * (c1 + 2.0 * c2 * tp + 3.0 * c3 * tp2)
+            for f in range(stop - start):
+                g = grad_filt[f]
+                g0[f] += g
+                g1[f] += g * tp
+                g2[f] += g * tp2
+                g3[f] += g * tp2 * tp
+                slope_sum += g * (c1[f] + 2.0 * c2[f] * tp + 3.0 * c3[f] * tp2)
             grad_t_parts[slice_, p] = slope_sum
 
 
 if AVAILABLE:
-    _forward_loop = numba.njit(parallel=True, nogil=True, cache=True, boundscheck=False)(
-        _forward_loop
-    )
-    _backward_loop = numba.njit(parallel=True, nogil=True, cache=True, boundscheck=False)(
-        _backward_loop
-    )
+    _compile = numba.njit(parallel=True, nogil=True, cache=True, boundscheck=False, fastmath=True)
+    _forward_loop = _compile(_forward_loop)
+    _backward_loop = _compile(_backward_loop)
 
 
 def _array(tensor: Tensor) -> np.ndarray:
