@@ -136,11 +136,12 @@ def run_benchmark(
     reference = SchNet(**hyper, cutoff=cutoff, graph="knn", k=k, max_nodes_per_pack=max_nodes)
     variants: dict[str, tuple[torch.nn.Module, tuple]] = {}
     edges: dict[str, dict[str, int]] = {}
+    settings = {  # graph -> (pair_symmetric, filter) of our variants
+        "knn": [(True, "exact"), (True, "table")],
+        "radius": [(True, "exact"), (False, "exact"), (True, "table")],
+    }
     for graph, batch in (("knn", knn_batch), ("radius", radius_batch)):
-        settings = [(True, "exact"), (False, "exact"), (True, "table")]
-        for symmetric, filter_ in (
-            settings if graph == "radius" else [(True, "exact"), (True, "table")]
-        ):
+        for symmetric, filter_ in settings[graph]:
             ours = SchNet(
                 **hyper,
                 cutoff=cutoff,
