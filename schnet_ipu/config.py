@@ -92,6 +92,8 @@ class ModelConfig:
     stable_softplus: bool = True  # False = naive log(1 + exp(x)) - log 2, for the ablation
     ops: str = "torch"  # op flavour: torch (CPU/CUDA) | ipu (PopTorch-mapped; ipu devices force it)
     message_passing: str = "sparse"  # sparse (edge lists) | dense ([M, M] pair blocks per pack)
+    filter: str = "exact"  # exact (filter network per edge) | table (per block on a grid, cubic)
+    filter_points: int = 256  # grid points K of filter=table on [0, cutoff]
 
 
 @dataclass
@@ -167,6 +169,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.ops": ("torch", "ipu", "triton"),
     "loader.device_resident": ("auto", "true", "false"),
     "model.message_passing": ("sparse", "dense"),
+    "model.filter": ("exact", "table"),
     "optim.schedule": ("plateau", "cosine", "constant"),
     "backend.device": ("auto", "cpu", "cuda", "ipu", "ipu-model"),
     "backend.dist_backend": ("auto", "gloo", "nccl"),
@@ -183,6 +186,7 @@ POSITIVE = (
     "model.num_gaussians",
     "model.cutoff",
     "model.k",
+    "model.filter_points",
     "optim.epochs",
     "optim.lr",
     "backend.replicas",
@@ -288,6 +292,8 @@ def validate(cfg: Config) -> None:
     for dotted in NON_NEGATIVE:
         if _get(cfg, dotted) < 0:
             raise ConfigError(f"{dotted} must be >= 0, got {_get(cfg, dotted)!r}")
+    if cfg.model.filter_points < 2:
+        raise ConfigError(f"model.filter_points must be >= 2, got {cfg.model.filter_points}")
     lo_hi = cfg.data.water_sizes
     if len(lo_hi) != 2 or not 1 <= lo_hi[0] <= lo_hi[1]:
         raise ConfigError(f"data.water_sizes must be [min, max] with 1 <= min <= max, got {lo_hi}")

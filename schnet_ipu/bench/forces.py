@@ -2,11 +2,12 @@
 
     python -m schnet_ipu.bench.forces --config configs/emt_forces.yaml [key=value ...]
 
-Builds the run's trainer three times on the same batches: energy only (torch flavour), energy
-+ forces (torch flavour: custom autograd functions with double backward) and energy + forces
-through plain ops (the ipu flavour, which autograd differentiates twice by itself). The steps
-are timed in interleaved rounds, so load from other processes hits all three alike; prints
-the median milliseconds per step and the ratios to energy-only.
+Builds the run's trainer five times on the same batches: energy only (torch flavour), energy
++ forces (torch flavour: custom autograd functions with double backward), energy + forces
+through plain ops (the ipu flavour, which autograd differentiates twice by itself), and the
+first two with the tabulated filter (``model.filter=table``). The steps are timed in
+interleaved rounds, so load from other processes hits all alike; prints the median
+milliseconds per step and the ratios to energy-only (exact filter).
 """
 
 from __future__ import annotations
@@ -26,10 +27,12 @@ from schnet_ipu.components import make_trainer
 from schnet_ipu.config import load_config
 from schnet_ipu.pipeline import make_loader, prepare_data
 
-VARIANTS = {  # name -> (forces_weight, op flavour)
-    "energy": (0.0, "torch"),
-    "forces": (1.0, "torch"),
-    "forces_plain_ops": (1.0, "ipu"),
+VARIANTS = {  # name -> (forces_weight, op flavour, model.filter)
+    "energy": (0.0, "torch", "exact"),
+    "forces": (1.0, "torch", "exact"),
+    "forces_plain_ops": (1.0, "ipu", "exact"),
+    "energy_table": (0.0, "torch", "table"),
+    "forces_table": (1.0, "torch", "table"),
 }
 
 
@@ -47,11 +50,11 @@ def main(argv: list[str]) -> int:
     calls = make_loader(cfg, data, "train").epoch(0)
     batches = [next(calls) for _ in range(args.steps)]
     backends = {}
-    for name, (weight, ops) in VARIANTS.items():
+    for name, (weight, ops, filter_) in VARIANTS.items():
         variant = dataclasses.replace(
             cfg,
             optim=dataclasses.replace(cfg.optim, forces_weight=weight),
-            model=dataclasses.replace(cfg.model, ops=ops),
+            model=dataclasses.replace(cfg.model, ops=ops, filter=filter_),
         )
         backends[name] = make_trainer(variant, data, ReplicaInfo(), "cpu")[2]
         backends[name].train_call(batches[0])  # warm-up
@@ -67,6 +70,9 @@ def main(argv: list[str]) -> int:
         "threads": torch.get_num_threads(),
         "step_ms": median,
         "ratio_to_energy": {name: median[name] / median["energy"] for name in VARIANTS},
+        "table_speedup": {
+            kind: median[kind] / median[f"{kind}_table"] for kind in ("energy", "forces")
+        },
         "atoms_per_batch": int(batches[0][0].node_mask.sum()),
     }
     print(json.dumps(report, indent=2))

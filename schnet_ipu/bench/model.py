@@ -110,10 +110,12 @@ def run_benchmark(
     max_nodes: int = 64,
     max_graphs: int = 16,
     seed: int = 0,
+    filter_points: int = 256,
 ) -> dict:
     """Time forward+backward of our SchNet and PyG's on the same molecules, same weights and
     the same interaction graphs; the variants run interleaved, ``repeats`` rounds after one
-    warm-up round, and the median is reported. Returns the numbers as a dict."""
+    warm-up round, and the median is reported. ``filter=table`` rows tabulate the filter on
+    ``filter_points`` grid points. Returns the numbers as a dict."""
     from torch_geometric.nn.models import SchNet as PygSchNet
 
     hyper = dict(hidden_channels=100, num_filters=100, num_interactions=4, num_gaussians=25)
@@ -134,8 +136,12 @@ def run_benchmark(
     reference = SchNet(**hyper, cutoff=cutoff, graph="knn", k=k, max_nodes_per_pack=max_nodes)
     variants: dict[str, tuple[torch.nn.Module, tuple]] = {}
     edges: dict[str, dict[str, int]] = {}
+    settings = {  # graph -> (pair_symmetric, filter) of our variants
+        "knn": [(True, "exact"), (True, "table")],
+        "radius": [(True, "exact"), (False, "exact"), (True, "table")],
+    }
     for graph, batch in (("knn", knn_batch), ("radius", radius_batch)):
-        for symmetric in (True, False) if graph == "radius" else (True,):
+        for symmetric, filter_ in settings[graph]:
             ours = SchNet(
                 **hyper,
                 cutoff=cutoff,
@@ -143,10 +149,12 @@ def run_benchmark(
                 k=k,
                 pair_symmetric=symmetric,
                 max_nodes_per_pack=max_nodes,
+                filter=filter_,
+                filter_points=filter_points,
             )
             ours.load_state_dict(reference.state_dict())
             name = f"ours {graph}" + ("" if graph == "knn" else f" pair_symmetric={symmetric}")
-            variants[name] = (ours, (batch,))
+            variants[name + ("" if filter_ == "exact" else " filter=table")] = (ours, (batch,))
         edge_index, _, edge_mask = ours.interaction_graph(batch)
         real = batch.node_mask
         # PyG sees the plain molecules (real atoms only) and the real edges of our graph
@@ -190,7 +198,7 @@ def run_benchmark(
         "molecules": molecules,
         "atoms": sum(sizes),
         "threads": torch.get_num_threads(),
-        "hyperparameters": {**hyper, "cutoff": cutoff, "k": k},
+        "hyperparameters": {**hyper, "cutoff": cutoff, "k": k, "filter_points": filter_points},
         "packs": {
             "max_nodes": max_nodes,
             "max_graphs": max_graphs,

@@ -14,6 +14,10 @@ state dict loads unchanged. What differs is how the work is laid out:
 * k-nearest-neighbour graphs are searched on the device inside each pack;
 * ``message_passing="dense"`` swaps the edge list for one [M, M] block of pairs per pack
   (:mod:`schnet_ipu.model.dense`): the same filters and masks, no gather or scatter;
+* ``filter="table"`` evaluates each block's filter network on a grid of ``filter_points``
+  distances once per forward pass and interpolates it per edge (cubic Hermite, C^1:
+  :mod:`schnet_ipu.model.filter_table`), summed by the flavour's ``table_conv``; the same
+  parameters, so a state dict moves freely between ``exact`` and ``table``;
 * padding atoms, edges and molecule slots are inert: they never reach a real molecule's
   prediction or its gradient.
 """
@@ -21,7 +25,7 @@ state dict loads unchanged. What differs is how the work is laid out:
 from __future__ import annotations
 
 import math
-from typing import Union
+from typing import NamedTuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -30,6 +34,7 @@ from torch.nn import Embedding, Linear, ModuleList, Sequential
 from schnet_ipu.batch import Batch
 from schnet_ipu.config import ModelConfig
 from schnet_ipu.model.dense import dense_conv, dense_graph
+from schnet_ipu.model.filter_table import filter_table, hermite_filter
 from schnet_ipu.model.ops import IpuOps, TorchOps, get_ops, naive_shifted_softplus
 
 Ops = Union[TorchOps, IpuOps]
@@ -74,6 +79,25 @@ class GaussianSmearing(nn.Module):
         return torch.exp(exponent.clamp_(min=-87.0))
 
 
+class ExactEdges(NamedTuple):
+    """Edge features of the exact filter: Gaussians rbf [E', G] and cosine cutoff cut [E']
+    (0 on masked edges); any leading shape, e.g. dense [B, M, M]."""
+
+    rbf: Tensor
+    cut: Tensor
+
+
+class TabulatedEdges(NamedTuple):
+    """What the tabulated filter reads: edge lengths dist [E'] and edge_mask [E'] (any leading
+    shape for dense blocks), the shared Gaussian expansion and the grid of K points."""
+
+    dist: Tensor
+    edge_mask: Tensor
+    expansion: GaussianSmearing
+    cutoff: float
+    num_points: int
+
+
 class CFConv(nn.Module):
     """Continuous-filter convolution: ``lin2(sum_j lin1(x)_j * W(d_ji))``, with the filter
     ``W = nn(rbf) * cut`` from the block's filter network ``nn`` (PyG's names and layout)."""
@@ -98,22 +122,45 @@ class CFConv(nn.Module):
         leading shape, e.g. [B, M, M] pair blocks."""
         return self.nn(rbf) * cut.unsqueeze(-1)
 
+    def table(self, edges: TabulatedEdges) -> tuple[Tensor, Tensor]:
+        """This block's filter tabulated: values and slopes [K, F] on the grid of ``edges``."""
+        expansion = edges.expansion
+        return filter_table(
+            self.nn, expansion.offset, expansion.coeff, edges.cutoff, edges.num_points
+        )
+
     def forward(
-        self, x: Tensor, edge_index: Tensor | None, rbf: Tensor, cut: Tensor, knn: int | None
+        self,
+        x: Tensor,
+        edge_index: Tensor | None,
+        edges: ExactEdges | TabulatedEdges,
+        knn: int | None,
     ) -> Tensor:
         """Convolve x [N, C_in] over edge_index [2, E] (row 0 source j, row 1 receiver i).
 
-        ``edge_index=None``: dense message passing, rbf [B, M, M, G] and cut [B, M, M] over
-        the pair blocks of the B packs (see :mod:`schnet_ipu.model.dense`).
+        ``edge_index=None``: dense message passing, edges over the [B, M, M] pair blocks of
+        the B packs (see :mod:`schnet_ipu.model.dense`).
 
-        rbf [E', G] and cut [E'] describe E' = E edges, or E' = E / 2 unordered pairs when the
-        graph is stored as forward pairs then the same pairs reversed (pair-symmetric filter).
-        ``knn=k``: the receivers are sorted with exactly k edges each (the layout of
-        ``knn_graph_packed``), so the sum is a reshape and a reduction; otherwise the
-        flavour's ``scatter_sum``, which assumes no ordering. -> [N, C_out]
+        ``edges`` describe E' = E edges, or E' = E / 2 unordered pairs when the graph is
+        stored as forward pairs then the same pairs reversed (pair-symmetric filter):
+        :class:`ExactEdges` for the filter network per edge, :class:`TabulatedEdges` for the
+        table (the flavour's ``table_conv``). ``knn=k`` (exact filter): the receivers are
+        sorted with exactly k edges each (the layout of ``knn_graph_packed``), so the sum is a
+        reshape and a reduction; otherwise the flavour's ``scatter_sum``, which assumes no
+        ordering. -> [N, C_out]
         """
-        filt = self.filter(rbf, cut)  # [E', F]
         x = widen(self.lin1(x))  # messages and their sums in fp32 under bf16 autocast
+        if isinstance(edges, TabulatedEdges):
+            values, slopes = self.table(edges)
+            if edge_index is None:  # dense blocks: interpolate every pair of the block
+                dist, mask = edges.dist.reshape(-1), edges.edge_mask.reshape(-1)
+                filt = hermite_filter(dist, mask, values, slopes, edges.cutoff)
+                return self.lin2(dense_conv(x, filt.view(*edges.dist.shape, -1).to(x.dtype)))
+            agg = self.ops.table_conv(
+                x, edge_index, edges.dist, edges.edge_mask, values, slopes, edges.cutoff
+            )
+            return self.lin2(agg)
+        filt = self.filter(edges.rbf, edges.cut)  # [E', F]
         if edge_index is None:
             return self.lin2(dense_conv(x, filt))
         if filt.shape[0] < edge_index.shape[1]:  # both directions of a pair share its filter
@@ -158,10 +205,14 @@ class InteractionBlock(nn.Module):
         self.lin.bias.data.fill_(0)
 
     def forward(
-        self, h: Tensor, edge_index: Tensor | None, rbf: Tensor, cut: Tensor, knn: int | None
+        self,
+        h: Tensor,
+        edge_index: Tensor | None,
+        edges: ExactEdges | TabulatedEdges,
+        knn: int | None,
     ) -> Tensor:
         """h [N, H] -> update [N, H]; the other arguments as for :meth:`CFConv.forward`."""
-        return self.lin(self.act(self.conv(h, edge_index, rbf, cut, knn)))
+        return self.lin(self.act(self.conv(h, edge_index, edges, knn)))
 
 
 class SchNet(nn.Module):
@@ -179,6 +230,9 @@ class SchNet(nn.Module):
         readout: ``"sum"`` or ``"mean"`` (over the real atoms of a molecule).
         pair_symmetric: radius graphs only: compute one filter per unordered pair (the first
             E/2 edges) and reuse it for the reversed half. Exact. Ignored for knn graphs.
+        filter: ``"exact"`` (the filter network per edge) or ``"table"`` (per block, once per
+            forward pass, on ``filter_points`` grid distances, interpolated per edge).
+        filter_points: K, the grid points of ``filter="table"`` (>= 2).
         stable_softplus: False swaps in the naive ``log(1 + exp(x)) - log 2`` (ablation).
         ops: the op flavour, ``"torch"`` (CPU, CUDA) or ``"ipu"`` (only ops PopTorch maps).
         max_nodes_per_pack: atoms per pack M; needed for ``graph="knn"`` and dense.
@@ -209,8 +263,14 @@ class SchNet(nn.Module):
         std: float = 1.0,
         atomref: Tensor | None = None,
         message_passing: str = "sparse",
+        filter: str = "exact",
+        filter_points: int = 256,
     ):
         super().__init__()
+        if filter not in ("exact", "table"):
+            raise ValueError(f"filter must be 'exact' or 'table', got {filter!r}")
+        if filter_points < 2:
+            raise ValueError(f"filter_points must be >= 2, got {filter_points}")
         if graph not in ("knn", "radius"):
             raise ValueError(f"graph must be 'knn' or 'radius', got {graph!r}")
         if readout not in ("sum", "mean"):
@@ -232,6 +292,8 @@ class SchNet(nn.Module):
         self.pair_symmetric = pair_symmetric
         self.max_nodes_per_pack = max_nodes_per_pack
         self.message_passing = message_passing
+        self.filter = filter
+        self.filter_points = filter_points
         self.mean = mean
         self.std = std
         self.ops = get_ops(ops)
@@ -282,6 +344,8 @@ class SchNet(nn.Module):
             std=std,
             atomref=atomref,
             message_passing=model_cfg.message_passing,
+            filter=model_cfg.filter,
+            filter_points=model_cfg.filter_points,
         )
 
     def reset_parameters(self) -> None:
@@ -350,11 +414,16 @@ class SchNet(nn.Module):
         else:
             pair_symmetric = self.graph == "radius" and self.pair_symmetric
             edge_index, dist, edge_mask = self.interaction_graph(batch, pair_symmetric)
-        rbf, cut = self.edge_features(dist, edge_mask)
+        edges: ExactEdges | TabulatedEdges
+        if self.filter == "table":
+            cutoff, points = self.cutoff, self.filter_points
+            edges = TabulatedEdges(dist, edge_mask, self.distance_expansion, cutoff, points)
+        else:
+            edges = ExactEdges(*self.edge_features(dist, edge_mask))
 
         h = self.embedding(batch.z)  # [N, H]
         for interaction in self.interactions:
-            h = h + interaction(h, edge_index, rbf, cut, knn)
+            h = h + interaction(h, edge_index, edges, knn)
 
         out = widen(self.lin2(self.act(self.lin1(h)))).view(num_nodes)  # [N], fp32 readout
         out = out * self.std + self.mean
@@ -374,5 +443,6 @@ class SchNet(nn.Module):
             f"num_filters={self.num_filters}, num_interactions={self.num_interactions}, "
             f"num_gaussians={self.num_gaussians}, cutoff={self.cutoff}, graph={self.graph!r}, "
             f"k={self.k}, readout={self.readout!r}, pair_symmetric={self.pair_symmetric}, "
-            f"ops={self.ops.name!r}, message_passing={self.message_passing!r})"
+            f"ops={self.ops.name!r}, message_passing={self.message_passing!r}, "
+            f"filter={self.filter!r}, filter_points={self.filter_points})"
         )

@@ -9,6 +9,10 @@ The model calls only these primitives, through the flavour object it was built w
   [dim_size, F] (or [dim_size]); no ordering assumed.
 * ``pair_symmetric_conv(x, edge_index, filt)``: ``scatter_sum(gather(x, src) * cat([filt,
   filt]), dst)`` for x [N, F], edge_index [2, 2P] (forward pairs, then reversed), filt [P, F].
+* ``table_conv(x, edge_index, dist, edge_mask, values, slopes, cutoff)``: the same sum with
+  the filter of each edge interpolated (cubic Hermite) from a table of values and slopes
+  [K, F] on [0, cutoff] (:mod:`schnet_ipu.model.filter_table`); dist/edge_mask [E'] with
+  E' = E or E / 2 (pair-symmetric storage). Differentiable in x, dist, values and slopes.
 * ``knn_graph_packed(pos, graph, node_mask, nodes_per_pack, k, cutoff)``: the k nearest
   neighbours within the cutoff inside each pack -> (edge_index [2, N k], dist [N k],
   edge_mask [N k]).

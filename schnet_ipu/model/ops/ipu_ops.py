@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from schnet_ipu.model.filter_table import hermite_filter
 from schnet_ipu.model.ops.common import LOG2, cell_offsets, edge_distance
 
 
@@ -39,6 +40,24 @@ def pair_symmetric_conv(x: Tensor, edge_index: Tensor, filt: Tensor) -> Tensor:
     """x [N, F], edge_index [2, 2P] (forward pairs, then reversed), filt [P, F] -> [N, F]."""
     msg = gather(x, edge_index[0]) * torch.cat([filt, filt], dim=0)
     return scatter_sum(msg, edge_index[1], x.shape[0])
+
+
+def table_conv(
+    x: Tensor,
+    edge_index: Tensor,
+    dist: Tensor,
+    edge_mask: Tensor,
+    values: Tensor,
+    slopes: Tensor,
+    cutoff: float,
+) -> Tensor:
+    """The tabulated-filter convolution (see the torch flavour's
+    :func:`~schnet_ipu.model.ops.torch_ops.table_conv`) from ops PopTorch maps: floor,
+    clamp, a cast to an integer index, index_select, arithmetic, where, scatter_add."""
+    filt = hermite_filter(dist, edge_mask, values, slopes, cutoff).to(x.dtype)  # [E', F]
+    if filt.shape[0] < edge_index.shape[1]:
+        filt = torch.cat([filt, filt], dim=0)
+    return scatter_sum(gather(x, edge_index[0]) * filt, edge_index[1], x.shape[0])
 
 
 def knn_graph_packed(
@@ -85,6 +104,7 @@ class IpuOps:
     gather = staticmethod(gather)
     scatter_sum = staticmethod(scatter_sum)
     pair_symmetric_conv = staticmethod(pair_symmetric_conv)
+    table_conv = staticmethod(table_conv)
     knn_graph_packed = staticmethod(knn_graph_packed)
     edge_distance = staticmethod(edge_distance)
     cell_offsets = staticmethod(cell_offsets)

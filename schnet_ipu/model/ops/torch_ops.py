@@ -15,6 +15,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from schnet_ipu.model.filter_table import grid_position, hermite_coefficients, hermite_filter
+from schnet_ipu.model.ops import fused_table
 from schnet_ipu.model.ops.common import LOG2, cell_offsets, edge_distance
 
 # torch.compiler.is_compiling appeared in torch 2.1; torch 2.0 (the Poplar SDK's) has the
@@ -178,6 +180,39 @@ def pair_symmetric_conv(x: Tensor, edge_index: Tensor, filt: Tensor) -> Tensor:
     return _PairSymmetricConv.apply(x, edge_index, filt)
 
 
+def table_conv(
+    x: Tensor,
+    edge_index: Tensor,
+    dist: Tensor,
+    edge_mask: Tensor,
+    values: Tensor,
+    slopes: Tensor,
+    cutoff: float,
+) -> Tensor:
+    """``out[i] = sum over edges (j -> i) of x[j] * W(d_ji)``, W interpolated (cubic Hermite)
+    from the table ``values``/``slopes`` [K, F] on [0, cutoff] (see
+    :mod:`schnet_ipu.model.filter_table`); masked edges add nothing.
+
+    x [N, F]; edge_index [2, E]; dist and edge_mask [E'] with E' = E, or E' = E / 2 for
+    pair-symmetric storage (edges E'.. E-1 are edges 0.. E'-1 reversed and share their
+    filter). Returns [N, F]. Differentiable in x, dist, values and slopes.
+
+    On CPU tensors with numba, outside ``torch.compile``: one compiled loop per pass
+    (:mod:`.fused_table`, twice differentiable). Otherwise plain torch ops: the interpolated
+    filter [E', F], then :func:`pair_symmetric_conv` or gather-multiply-scatter; these are
+    the reference other flavours' kernels are tested against, and on CUDA they run as they
+    are (a fused GPU kernel is another flavour's).
+    """
+    if fused_table.AVAILABLE and x.device.type == "cpu" and not _is_compiling():
+        index, t = grid_position(dist, values.shape[0], cutoff)
+        coeffs = hermite_coefficients(values, slopes, cutoff)
+        return fused_table.fused_table_conv(x, edge_index, coeffs, index, t, edge_mask)
+    filt = hermite_filter(dist, edge_mask, values, slopes, cutoff).to(x.dtype)  # [E', F]
+    if filt.shape[0] < edge_index.shape[1]:
+        return pair_symmetric_conv(x, edge_index, filt)
+    return scatter_sum(gather(x, edge_index[0]) * filt, edge_index[1], x.shape[0])
+
+
 def knn_graph_packed(
     pos: Tensor, graph: Tensor, node_mask: Tensor, nodes_per_pack: int, k: int, cutoff: float
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -241,6 +276,7 @@ class TorchOps:
     gather = staticmethod(gather)
     scatter_sum = staticmethod(scatter_sum)
     pair_symmetric_conv = staticmethod(pair_symmetric_conv)
+    table_conv = staticmethod(table_conv)
     knn_graph_packed = staticmethod(knn_graph_packed)
     edge_distance = staticmethod(edge_distance)
     cell_offsets = staticmethod(cell_offsets)
