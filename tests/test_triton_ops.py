@@ -144,6 +144,29 @@ def test_table_conv_equals_hermite_reference(packed_batch, dtype, storage):
 
 @needs_triton
 @pytest.mark.triton
+@pytest.mark.parametrize("fused", [True, False])
+def test_table_conv_equals_torch_flavour(packed_batch, fused, monkeypatch):
+    """The triton kernel against the torch flavour's table_conv (issue 34's reference):
+    its numba loop and its plain torch ops; outputs and the gradients of every input."""
+    from schnet_ipu.model.ops import fused_table
+
+    monkeypatch.setattr(fused_table, "AVAILABLE", fused and fused_table.AVAILABLE)
+    x, dist, mask, _, grad = pair_inputs(packed_batch, torch.float64)
+    gen = torch.Generator().manual_seed(5)
+    values = torch.randn(KNOTS, x.shape[1], generator=gen, dtype=torch.float64).to(DEVICE)
+    slopes = torch.randn(KNOTS, x.shape[1], generator=gen, dtype=torch.float64).to(DEVICE)
+    leaves = (x, dist.requires_grad_(), values.requires_grad_(), slopes.requires_grad_())
+    args = (x, packed_batch.edge_index, dist, mask, values, slopes, CUTOFF)
+    got, want = triton_ops.table_conv(*args), torch_ops.table_conv(*args)
+    assert_close(got, want, "out")
+    got_grads = torch.autograd.grad(got, leaves, grad)
+    want_grads = torch.autograd.grad(want, leaves, grad)
+    for name, a, b in zip(("x", "dist", "values", "slopes"), got_grads, want_grads):
+        assert_close(a, b, name)
+
+
+@needs_triton
+@pytest.mark.triton
 def test_table_conv_refuses_a_double_backward(packed_batch):
     """Force training differentiates the forces again: the table kernels say they cannot."""
     x, dist, mask, _, grad = pair_inputs(packed_batch, torch.float32)
