@@ -33,10 +33,11 @@ NUM_ELEMENTS = 100  # embedding rows, as the training model (row 0 is its paddin
 
 
 class ShiftedSoftplus(nn.Module):
-    """``softplus(x) - log 2`` as ``logaddexp(x, 0) - log 2``: one overflow-free op."""
+    """``softplus(x) - log 2`` (torch's softplus: overflow-free; x above 20 passes as x, off
+    by under 2e-9)."""
 
     def forward(self, x: Tensor) -> Tensor:
-        return torch.logaddexp(x, torch.zeros_like(x)) - math.log(2.0)
+        return nn.functional.softplus(x) - math.log(2.0)
 
 
 class DistanceExpansion(nn.Module):
