@@ -252,7 +252,7 @@ class Evaluator(Protocol):
     forces by autograd (on ``device``: the CPU for PopTorch runs)."""
 
     model: nn.Module
-    device: str
+    device: torch.device
 
     def predict(self, batch: Batch) -> Tensor:
         """Predictions [G] for one batch."""
