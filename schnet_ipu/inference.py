@@ -175,8 +175,9 @@ def intra_op_threads(count: int) -> Iterator[None]:
 
 def predict_file(models: ModelPaths, input_path: Path, out: Path) -> int:
     """Predict every frame of ``input_path`` (any ASE-readable file) and write them to ``out``
-    (extxyz) with ``info["energy"]`` and ``arrays["forces"]``, plus ``info["energy_std"]``
-    and ``arrays["forces_std"]`` for an ensemble. Returns the frame count."""
+    (extxyz) with ``info["energy"]`` and ``arrays["forces"]``, ``info["stress"]`` (Voigt)
+    for periodic frames, plus ``info["energy_std"]`` and ``arrays["forces_std"]`` for an
+    ensemble. Returns the frame count."""
     import ase.io
     from ase import Atoms
 
@@ -189,7 +190,8 @@ def predict_file(models: ModelPaths, input_path: Path, out: Path) -> int:
     for atoms, (z, pos, cell, pbc), at in zip(frames, structures, places):
         result = predictor.predict(z, pos, at, cell, pbc)
         written_atoms = Atoms(atoms.numbers, atoms.positions, cell=atoms.cell, pbc=atoms.pbc)
-        written_atoms.info.update({k: v for k, v in atoms.info.items() if k != "energy"})
+        labels = ("energy", "stress")  # the file's own, replaced by the prediction
+        written_atoms.info.update({k: v for k, v in atoms.info.items() if k not in labels})
         written_atoms.info["energy"] = result.energy
         written_atoms.arrays["forces"] = result.forces
         if result.stress is not None:
