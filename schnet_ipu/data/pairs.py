@@ -21,8 +21,9 @@ import sys
 import time
 import warnings
 import zlib
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -90,17 +91,38 @@ def radius_pairs(
         from .periodic_pairs import periodic_pairs  # it imports RadiusPairs from here
 
         return periodic_pairs(store, cutoff, positions, progress)
-    path = pairs_path(store, cutoff)
+    return cached_pairs(
+        pairs_path(store, cutoff),
+        store,
+        cutoff,
+        RadiusPairs,
+        PAIRS_VERSION,
+        lambda: build_pairs(store, cutoff, positions, progress),
+    )
+
+
+def cached_pairs(
+    path: Path,
+    store: MoleculeStore,
+    cutoff: float,
+    kind: type[RadiusPairs],
+    version: int,
+    build: Callable[[], RadiusPairs],
+) -> RadiusPairs:
+    """The pairs file at ``path`` (pairs of class ``kind``, file format ``version``) when it
+    belongs to ``store`` and ``cutoff``; else ``build()``, saved there (a file that
+    disagrees or cannot be read is rebuilt with a warning, never used)."""
     if path.is_file():
-        pairs, problem = _load(path, store, cutoff)
+        pairs, problem = _load(path, store, cutoff, kind, version)
         if pairs is not None:
             return pairs
-        warnings.warn(f"{path}: {problem}; rebuilding it", stacklevel=2)
+        warnings.warn(f"{path}: {problem}; rebuilding it", stacklevel=3)
     start = time.perf_counter()
-    pairs = build_pairs(store, cutoff, positions, progress)
-    _save(path, pairs, store)
+    pairs = build()
+    _save(path, pairs, store, version)
     log.info(
-        "radius pairs (cutoff %g): %d pairs in %.1f s, saved at %s",
+        "%s (cutoff %g): %d pairs in %.1f s, saved at %s",
+        kind.__name__,
         cutoff,
         len(pairs.i),
         time.perf_counter() - start,
@@ -235,15 +257,9 @@ class _PairTable:
         return cls(torch.from_numpy(i), torch.from_numpy(j), code)
 
 
-def save_pairs_file(
-    path: Path,
-    arrays: dict[str, np.ndarray],
-    version: int,
-    store: MoleculeStore,
-    cutoff: float,
-    checksum: int,
-) -> None:
-    """Write a pairs file: its ``arrays`` and what ties them to ``store`` and ``cutoff``."""
+def _save(path: Path, pairs: RadiusPairs, store: MoleculeStore, version: int) -> None:
+    """The pairs' arrays (every field but the cutoff) and what ties them to ``store``."""
+    arrays = {f.name: getattr(pairs, f.name) for f in fields(pairs) if f.name != "cutoff"}
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.npz")  # concurrent writers: own files
     np.savez(
         tmp,
@@ -252,22 +268,23 @@ def save_pairs_file(
         created=str(store.attrs.get("created", "")),
         num_molecules=len(store),
         num_atoms=int(store.offsets[-1]),
-        cutoff=cutoff,
-        checksum=checksum,
+        cutoff=pairs.cutoff,
+        checksum=pairs.checksum(),
     )
     tmp.replace(path)
 
 
-def load_pairs_file(
-    path: Path, store: MoleculeStore, cutoff: float, version: int, names: tuple[str, ...]
-) -> tuple[dict[str, np.ndarray] | None, int, str | None]:
-    """(arrays ``names``, saved checksum, None) when the file was written by
-    :func:`save_pairs_file` for this store, cutoff and ``version``, else (None, 0, why not)."""
+def _load(
+    path: Path, store: MoleculeStore, cutoff: float, kind: type[RadiusPairs], version: int
+) -> tuple[RadiusPairs | None, str | None]:
+    """(pairs, None) when the file belongs to this store, cutoff and ``version``, else
+    (None, why not)."""
+    names = [f.name for f in fields(kind) if f.name != "cutoff"]
     try:
         with np.load(path) as saved:
             meta = {k: saved[k] for k in saved.files if k not in names}
             if int(meta.get("version", -1)) != version:
-                return None, 0, f"pairs file version {meta.get('version')} != {version}"
+                return None, f"pairs file version {meta.get('version')} != {version}"
             expected = {
                 "created": str(store.attrs.get("created", "")),
                 "num_molecules": len(store),
@@ -276,25 +293,10 @@ def load_pairs_file(
             }
             for key, value in expected.items():
                 if type(value)(meta[key]) != value:
-                    return None, 0, f"written for another store or cutoff ({key} differs)"
-            return {k: saved[k] for k in names}, int(meta["checksum"]), None
+                    return None, f"written for another store or cutoff ({key} differs)"
+            pairs = kind(**{k: saved[k] for k in names}, cutoff=float(cutoff))
     except Exception as err:  # a truncated or foreign file: any read error means rebuild
-        return None, 0, f"unreadable ({type(err).__name__}: {err})"
-
-
-def _save(path: Path, pairs: RadiusPairs, store: MoleculeStore) -> None:
-    arrays = {"i": pairs.i, "j": pairs.j, "offsets": pairs.offsets}
-    save_pairs_file(path, arrays, PAIRS_VERSION, store, pairs.cutoff, pairs.checksum())
-
-
-def _load(path: Path, store: MoleculeStore, cutoff: float) -> tuple[RadiusPairs | None, str | None]:
-    """(pairs, None) when the file belongs to this store and cutoff, else (None, why not)."""
-    arrays, checksum, problem = load_pairs_file(
-        path, store, cutoff, PAIRS_VERSION, ("i", "j", "offsets")
-    )
-    if arrays is None:
-        return None, problem
-    pairs = RadiusPairs(arrays["i"], arrays["j"], arrays["offsets"], float(cutoff))
-    if len(pairs.offsets) != len(store) + 1 or pairs.checksum() != checksum:
+        return None, f"unreadable ({type(err).__name__}: {err})"
+    if len(pairs.offsets) != len(store) + 1 or pairs.checksum() != int(meta["checksum"]):
         return None, "checksum mismatch (corrupt)"
     return pairs, None

@@ -32,8 +32,6 @@ from __future__ import annotations
 
 import logging
 import sys
-import time
-import warnings
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -43,7 +41,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from .pairs import RadiusPairs, load_pairs_file, save_pairs_file
+from .pairs import RadiusPairs, cached_pairs
 from .store import MoleculeStore, StoreError
 
 log = logging.getLogger(__name__)
@@ -84,23 +82,14 @@ def periodic_pairs(
     valid, else (re)built and saved (from ``positions`` float32 [A, 3] when given)."""
     if not isinstance(store, MoleculeStore):
         store = MoleculeStore(store)
-    path = periodic_pairs_path(store, cutoff)
-    if path.is_file():
-        pairs, problem = _load(path, store, cutoff)
-        if pairs is not None:
-            return pairs
-        warnings.warn(f"{path}: {problem}; rebuilding it", stacklevel=2)
-    start = time.perf_counter()
-    pairs = build_periodic_pairs(store, cutoff, positions, progress)
-    _save(path, pairs, store)
-    log.info(
-        "periodic pairs (cutoff %g): %d pairs in %.1f s, saved at %s",
+    return cached_pairs(
+        periodic_pairs_path(store, cutoff),
+        store,
         cutoff,
-        len(pairs.i),
-        time.perf_counter() - start,
-        path,
+        PeriodicPairs,
+        PERIODIC_PAIRS_VERSION,
+        lambda: build_periodic_pairs(store, cutoff, positions, progress),
     )
-    return pairs
 
 
 def build_periodic_pairs(
@@ -215,23 +204,3 @@ def _canonical(
             int(frame[p]),
         )
     return i, j, shift.astype(SHIFT_DTYPE)
-
-
-def _save(path: Path, pairs: PeriodicPairs, store: MoleculeStore) -> None:
-    arrays = {"i": pairs.i, "j": pairs.j, "shift": pairs.shift, "offsets": pairs.offsets}
-    save_pairs_file(path, arrays, PERIODIC_PAIRS_VERSION, store, pairs.cutoff, pairs.checksum())
-
-
-def _load(
-    path: Path, store: MoleculeStore, cutoff: float
-) -> tuple[PeriodicPairs | None, str | None]:
-    """(pairs, None) when the file belongs to this store and cutoff, else (None, why not)."""
-    names = ("i", "j", "shift", "offsets")
-    arrays, checksum, problem = load_pairs_file(path, store, cutoff, PERIODIC_PAIRS_VERSION, names)
-    if arrays is None:
-        return None, problem
-    i, j, shift, offsets = (arrays[k] for k in names)
-    pairs = PeriodicPairs(i, j, offsets, float(cutoff), shift)
-    if len(pairs.offsets) != len(store) + 1 or pairs.checksum() != checksum:
-        return None, "checksum mismatch (corrupt)"
-    return pairs, None
