@@ -2,6 +2,8 @@
 
     budget = Budget(minutes=cfg.optim.max_minutes, spent=checkpoint_seconds)
     budget.start()                 # at the first host call of this process
+    budget.agree()                 # replicas: all read the slowest one's clock from here on
+    budget.next_validation()       # count at which to pause and validate (each 10% of it)
     budget.fraction()              # 0..1: what the learning-rate schedule follows
     budget.exhausted()             # the loop stops, validates, saves and tests
     average = WeightAverage(model, decay=cfg.optim.ema_decay)
@@ -17,32 +19,67 @@ preparation and the final test are not counted.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
+
+VALIDATE_SHARE = 0.1  # of the budget between validations, at most
 
 
 class Budget:
-    """``minutes`` of training loop (0: no budget), ``spent`` seconds of them already."""
+    """``minutes`` of training loop (0: no budget), ``spent`` seconds of them already.
 
-    def __init__(self, minutes: float, spent: float = 0.0) -> None:
+    Replicas (``world_size`` > 1) must stop at the same host call and follow the same
+    learning rate, but their clocks start apart. So with replicas the budget reads an
+    agreed clock: :meth:`agree`, called by every replica at the same host calls, sets it to
+    the slowest replica's count (one scalar all-reduce); between agreements every replica
+    sees the same value.
+    """
+
+    def __init__(
+        self, minutes: float, spent: float = 0.0, world_size: int = 1, device: str = "cpu"
+    ) -> None:
         self.total = 60.0 * minutes
         self.spent = spent
+        self.world_size = world_size
+        self.device = device  # where the replicas' collectives run (NCCL: a CUDA device)
         self._since: float | None = None
+        self._agreed = spent
 
     def start(self) -> None:
         if self._since is None:
             self._since = time.perf_counter()
 
-    @property
-    def seconds(self) -> float:
-        """Seconds counted so far, earlier processes of the run included."""
+    def _own_seconds(self) -> float:
         running = 0.0 if self._since is None else time.perf_counter() - self._since
         return self.spent + running
+
+    @property
+    def seconds(self) -> float:
+        """Seconds counted so far, earlier processes of the run included (with replicas:
+        as of the last agreement)."""
+        return self._own_seconds() if self.world_size == 1 else self._agreed
+
+    def agree(self) -> None:
+        """With replicas, every replica takes the largest count among them (a collective:
+        all replicas call it at the same point); without, nothing to do."""
+        if self.world_size == 1 or self.total <= 0:
+            return
+        count = torch.tensor([self._own_seconds()], dtype=torch.float64, device=self.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        self._agreed = float(count.cpu())
+
+    def next_validation(self) -> float:
+        """The count at which training pauses to validate: every epoch's end, and with a
+        budget also each 10% of it (a run of any data size gets a learning curve and a
+        best checkpoint); never without a budget."""
+        return self.seconds + VALIDATE_SHARE * self.total if self.total > 0 else math.inf
 
     def fraction(self) -> float:
         """Share of the budget used, 0 without a budget."""

@@ -85,7 +85,8 @@ def run(cfg: Config, fresh: bool = False) -> None:
     pin, rank, world = device.startswith("cuda"), replica.rank, replica.world_size
     train_loader = make_loader(cfg, data, "train", rank, world, pin, in_call, device)
     val_loader = make_loader(cfg, data, "val", rank, world, pin, 1, device)
-    budget = Budget(cfg.optim.max_minutes, float(resume.get("budget_seconds", 0)) if resume else 0)
+    spent = float(resume.get("budget_seconds", 0)) if resume else 0.0
+    budget = Budget(cfg.optim.max_minutes, spent, replica.world_size, backend.device)
     steps = len(train_loader) * cfg.backend.device_iterations
     scheduler = make_scheduler(cfg, optimizer, steps, budget)
     average = WeightAverage(model, cfg.optim.ema_decay) if cfg.optim.ema_decay else None
@@ -106,13 +107,12 @@ def run(cfg: Config, fresh: bool = False) -> None:
     # Ctrl-C anywhere in an epoch (training, validation, checkpoints) is a stop request:
     # inside the training loop it stops at the next host call, later at the epoch's end
     with ctrl_c_requests_stop(stop):
-        for epoch in range(progress.epoch, cfg.optim.epochs):
-            if budget.exhausted():
-                break
-            first_call = progress.call if epoch == progress.epoch else 0
+        # an epoch is validated at its end, or (with a budget) in chunks of at most 10% of it
+        while progress.epoch < cfg.optim.epochs and not budget.exhausted():
+            epoch, first_call = progress.epoch, progress.call
             stats = train_epoch(
                 cfg, backend, task, scheduler, train_loader, epoch, first_call, runlog, replica,
-                stop, budget, average,
+                stop, budget, average, until=budget.next_validation(),
             )  # fmt: skip
             if stop.requested:
                 progress.epoch, progress.call = epoch, stats["calls"]
@@ -121,16 +121,18 @@ def run(cfg: Config, fresh: bool = False) -> None:
                 raise SystemExit(130)
             with averaged(average, backend):
                 val = evaluate(task, backend, val_loader, "val", replica.world_size)
+            budget.agree()
             if cfg.optim.schedule == "plateau":
                 scheduler.step(val["mae"])
                 backend.optimizer_changed()
             improved = val["mae"] < progress.best_mae
             best, calls = min(progress.best_mae, val["mae"]), stats["calls"]
-            whole = calls == len(train_loader)  # else the budget ended the epoch
+            whole = calls == len(train_loader)  # else the budget ended the epoch or the chunk
             progress = Progress(epoch + 1, 0, best) if whole else Progress(epoch, calls, best)
             if runlog is not None:
                 stats.update(
-                    budget_seconds=budget.seconds, epoch_fraction=calls / len(train_loader)
+                    budget_seconds=budget.seconds,
+                    epoch_fraction=(calls - first_call) / len(train_loader),
                 )
                 write_epoch(runlog, epoch, stats, val, optimizer, task, data.unit)
             # the record is on disk before a checkpoint claims the epoch, and best.pt before
@@ -268,9 +270,13 @@ def train_epoch(
     stop: StopFlag,
     budget: Budget,
     average: WeightAverage | None,
+    until: float = math.inf,
 ) -> dict:
-    """One epoch of host calls (until the epoch, the ``budget`` or a stop request ends);
+    """One epoch of host calls from ``first_call`` until the epoch ends, the ``budget`` is
+    spent, its clock reaches ``until`` seconds (time to validate) or a stop is requested;
     returns its mean loss, throughput and time split. ``average`` follows every call.
+    Replicas agree on the budget's clock every ``logging.log_every`` calls, so all stop at
+    the same call.
 
     The step losses stay on the device: they are read (one synchronisation) every
     ``logging.log_every`` host calls and at the end of the epoch, and checked then.
@@ -291,7 +297,7 @@ def train_epoch(
     task.reset()
     budget.start()
     epoch_start = time.perf_counter()
-    while not stop.requested and not budget.exhausted():
+    while not stop.requested and not budget.exhausted() and budget.seconds < until:
         tick = time.perf_counter()
         micro_batches = next(batches, None)
         if micro_batches is None:
@@ -314,6 +320,7 @@ def train_epoch(
         bar.update(1)
         if calls % cfg.logging.log_every:
             continue
+        budget.agree()
         losses += read_losses(pending, epoch, step)
         rate = molecules / max(time.perf_counter() - epoch_start, 1e-9)
         shown = {k: f"{v:.4f}" for k, v in task.training_metrics().items()}

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from schnet_ipu import training
-from schnet_ipu.budget import WeightAverage
+from schnet_ipu.budget import Budget, WeightAverage
 from schnet_ipu.config import ConfigError, load_config
 from schnet_ipu.data import import_qm9
 from schnet_ipu.evaluation import evaluate_run
@@ -90,8 +90,47 @@ def test_budget_stops_the_run_and_a_resume_keeps_the_total(store, tmp_path, monk
     assert 0 < spent < 60 * budget
     resumed = train(tiny(store, run_dir, f"optim.max_minutes={budget}", "optim.epochs=10000"))
     assert 60 * budget <= resumed["budget_seconds"] < 60 * budget + 5
-    numbers = [r["epoch"] for r in read_records(run_dir / "metrics.jsonl", "epoch")]
-    assert numbers == sorted(set(numbers)) and numbers[0] == 0
+    records = read_records(run_dir / "metrics.jsonl", "epoch")
+    seconds = [r["budget_seconds"] for r in records]  # every validation recorded once
+    assert seconds == sorted(set(seconds)) and records[0]["epoch"] == 0
+
+
+def test_a_budget_validates_within_epochs_that_outlast_a_tenth_of_it(store, tmp_path):
+    """A wide model on 220 molecules for 3 s: an epoch (~1 s here) takes longer than a tenth
+    of the budget, so the loop pauses to validate inside epochs and goes on from there."""
+    run_dir = tmp_path / "run"
+    wide = ["model.hidden_channels=256", "model.num_filters=256", "model.num_interactions=6"]
+    train(tiny(store, run_dir, "optim.max_minutes=0.05", "optim.epochs=10000", *wide))
+    records = read_records(run_dir / "metrics.jsonl", "epoch")
+    epochs = [r["epoch"] for r in records]
+    assert len(records) >= 4 and epochs == sorted(epochs)
+    assert len(set(epochs)) < len(epochs)  # an epoch validated more than once: a pause in it
+    share: dict[int, float] = {}
+    for record in records:
+        share[record["epoch"]] = share.get(record["epoch"], 0) + record["epoch_fraction"]
+    assert all(abs(share[e] - 1) < 1e-9 for e in sorted(share)[:-1])  # done epochs: whole
+    assert 0 < share[epochs[-1]] <= 1  # the budget may end the last one
+
+
+def _agree(rank: int, init: str, out: Path) -> None:
+    torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    budget = Budget(minutes=1, spent=10.0 * rank, world_size=2)  # rank 1 is 10 s further on
+    budget.start()
+    before = budget.seconds  # what the last agreement said: the spent seconds
+    budget.agree()
+    out.joinpath(f"{rank}.txt").write_text(f"{before} {budget.seconds}")
+    torch.distributed.destroy_process_group()
+
+
+def test_replicas_read_one_agreed_budget_clock(tmp_path):
+    """Two gloo replicas whose clocks differ by 10 s both take the later one at an
+    agreement, so they stop at the same call and follow the same learning rate."""
+    torch.multiprocessing.spawn(_agree, args=(f"file://{tmp_path}/store", tmp_path), nprocs=2)
+    (before0, after0), (before1, after1) = (
+        map(float, (tmp_path / f"{rank}.txt").read_text().split()) for rank in (0, 1)
+    )
+    assert (before0, before1) == (0.0, 10.0)
+    assert after0 == after1 and 10.0 <= after0 < 12.0
 
 
 def test_average_of_the_weights_is_what_runs_evaluate_save_and_resume(store, tmp_path, monkeypatch):
