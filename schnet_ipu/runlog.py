@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import os
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -151,7 +152,8 @@ def plot_learning_curve(metrics_path: Path, out: Path, unit: str) -> None:
     epochs = read_records(metrics_path, "epoch")
     if not epochs:
         return
-    x = [r["epoch"] + 1 for r in epochs]
+    # epochs trained at each validation (a budgeted run also validates inside epochs)
+    x = list(accumulate(r.get("epoch_fraction", 1.0) for r in epochs))
     fig, (ax_loss, ax_mae) = plt.subplots(1, 2, figsize=(10, 4))
     ax_loss.plot(x, [r["train_loss"] for r in epochs], label="train loss")
     ax_loss.plot(x, [r["val_loss"] for r in epochs], label="validation loss")

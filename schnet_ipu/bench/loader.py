@@ -172,7 +172,8 @@ def run_loader(
     with tempfile.TemporaryDirectory() as fresh:
         copy = Path(fresh) / Path(store).name  # no pairs file yet: cold builds it
         shutil.copy(store, copy)
-        cfg = load_config(CONFIG, [f"data.path={copy}", "backend.device=cpu", *overrides])
+        base = [f"data.path={copy}", "backend.device=cpu", "backend.replicas=1"]
+        cfg = load_config(CONFIG, [*base, *overrides])
         data = prepare_data(cfg)
         pairs_s = data.timings.get("edge_counts", 0.0)
         loop = compiled_feed.AVAILABLE  # numba's compiled loop fills CPU batches
