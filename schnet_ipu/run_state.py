@@ -75,8 +75,8 @@ class RunState:
     def restore(self, resume: dict[str, Any], path: Path) -> Progress:
         with restoring(path):
             self.model.load_state_dict(resume.get("train_model", resume["model"]))
-            if self.average is not None:
-                self.average.load(resume["model"], resume["ema"])
+            if self.average is not None:  # a run from before averaging starts one afresh
+                self.average.load(resume["model"], resume.get("ema", {"updates": 0}))
             self.optimizer.load_state_dict(resume["optimizer"])
             self.scheduler.load_state_dict(resume["scheduler"])
             set_rng_state(resume["rng"])
