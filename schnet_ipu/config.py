@@ -92,7 +92,7 @@ class ModelConfig:
     stable_softplus: bool = True  # False = naive log(1 + exp(x)) - log 2, for the ablation
     ops: str = "torch"  # op flavour: torch (CPU/CUDA) | ipu (PopTorch-mapped; ipu devices force it)
     message_passing: str = "sparse"  # sparse (edge lists) | dense ([M, M] pair blocks per pack)
-    filter: str = "exact"  # exact (filter network per edge) | table (per block on a grid, cubic)
+    filter: str = "table"  # table (per block on a grid, cubic Hermite) | exact (network per edge)
     filter_points: int = 256  # grid points K of filter=table on [0, cutoff]
 
 
