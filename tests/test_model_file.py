@@ -293,10 +293,12 @@ def test_checkpoint_without_spec_loads_from_its_store_or_says_what_is_missing(ru
     state = torch.load(runs[0] / "checkpoints/best.pt", weights_only=True)
     expected = load_trained(runs[0]).model.state_dict()
     del state["model_spec"]  # as written before model files
+    del state["config"]["model"]["filter"]  # and before tabulated filters: trained exact
     old = tmp_path / "old.pt"
     torch.save(state, old)
     rebuilt = load_trained(old)
     assert rebuilt.spec.elements == load_trained(runs[0]).spec.elements
+    assert rebuilt.model.filter == "exact"
     for name, value in expected.items():
         torch.testing.assert_close(rebuilt.model.state_dict()[name], value)
     state["config"]["data"]["path"] = str(tmp_path / "gone.h5")
