@@ -110,7 +110,7 @@ class OptimConfig:
     forces_weight: float = 0.0  # weight of the standardised force loss; 0 = energies only
     stress_weight: float = 0.0  # weight of the standardised stress loss (stores with stress)
     max_minutes: float = 0.0  # wall-clock budget of the training loop; 0 = off (epochs only)
-    ema_decay: float = 0.999  # average of the weights for validation, test and model files; 0 = off
+    ema_decay: float = 0.0  # average of the weights for validation, test and model files; 0 = off
 
 
 @dataclass

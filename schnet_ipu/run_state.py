@@ -74,6 +74,7 @@ class RunState:
 
     def restore(self, resume: dict[str, Any], path: Path) -> Progress:
         with restoring(path):
+            self.model.load_state_dict(resume["model"])  # the saved model must fit, averaged too
             self.model.load_state_dict(resume.get("train_model", resume["model"]))
             if self.average is not None:  # a run from before averaging starts one afresh
                 self.average.load(resume["model"], resume.get("ema", {"updates": 0}))
