@@ -123,12 +123,15 @@ def read_records(path: Path, kind: str | None = None) -> list[dict[str, Any]]:
 
 def truncate_after(path: Path, epoch: int, call: int) -> None:
     """On resume, drop records written after the checkpoint (they will be written again) and
-    a torn last line; the log is replaced atomically (temp file, fsync, rename)."""
+    a torn last line; the log is replaced atomically (temp file, fsync, rename). An epoch
+    record's ``call`` is the host call it was validated at (a budget validates inside
+    epochs), so a checkpoint at (epoch, call) keeps the records up to it (records without
+    one are whole epochs)."""
     kept = [
         r
         for r in read_records(path)
         if r["kind"] == "stage"
-        or (r["kind"] == "epoch" and r["epoch"] < epoch)
+        or (r["kind"] == "epoch" and (r["epoch"], r.get("call", math.inf)) <= (epoch, call))
         or (r["kind"] == "step" and (r["epoch"], r["call"]) < (epoch, call))
     ]
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")

@@ -198,6 +198,7 @@ def write_epoch(
     runlog.write(
         "epoch",
         epoch=epoch,
+        call=stats["calls"],
         train_loss=stats["loss"],
         **{f"val_{k}": v for k, v in val.items() if k != "molecules"},
         lr=float(optimizer.param_groups[0]["lr"]),

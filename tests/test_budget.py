@@ -95,12 +95,20 @@ def test_budget_stops_the_run_and_a_resume_keeps_the_total(store, tmp_path, monk
     assert seconds == sorted(set(seconds)) and records[0]["epoch"] == 0
 
 
-def test_a_budget_validates_within_epochs_that_outlast_a_tenth_of_it(store, tmp_path):
-    """A wide model on 220 molecules for 3 s: an epoch (~1 s here) takes longer than a tenth
-    of the budget, so the loop pauses to validate inside epochs and goes on from there."""
+def test_a_budget_validates_within_epochs_that_outlast_a_tenth_of_it(store, tmp_path, monkeypatch):
+    """A wide model on 220 molecules, one pack per step, for 6 s: an epoch (~2 s here) takes
+    longer than a tenth of the budget, so the loop pauses to validate inside epochs and goes
+    on from there.
+    Killed after its first checkpoint (inside an epoch) and re-run, no record is lost or
+    written twice."""
     run_dir = tmp_path / "run"
     wide = ["model.hidden_channels=256", "model.num_filters=256", "model.num_interactions=6"]
-    train(tiny(store, run_dir, "optim.max_minutes=0.05", "optim.epochs=10000", *wide))
+    overrides = ("optim.max_minutes=0.1", "optim.epochs=10000", "packing.packs_per_batch=1", *wide)
+    kill_after_first_checkpoint(monkeypatch)
+    with pytest.raises(Killed):
+        train(tiny(store, run_dir, *overrides))
+    assert read_records(run_dir / "metrics.jsonl", "epoch")[0]["epoch_fraction"] < 1
+    train(tiny(store, run_dir, *overrides))
     records = read_records(run_dir / "metrics.jsonl", "epoch")
     epochs = [r["epoch"] for r in records]
     assert len(records) >= 4 and epochs == sorted(epochs)
