@@ -33,7 +33,7 @@ from schnet_ipu.backends.distributed import (
 )
 from schnet_ipu.backends.shared_memory import SHARED_DIR
 from schnet_ipu.batch import Batch
-from schnet_ipu.config import BackendConfig
+from schnet_ipu.config import BackendConfig, ConfigError
 from schnet_ipu.model import SchNet
 from schnet_ipu.task import masked_mse
 
@@ -189,6 +189,16 @@ def test_poptorch_devices_replicate_in_one_process() -> None:
     assert processes_for(cfg, "cpu") == 4
     assert processes_for(cfg, "ipu") == processes_for(cfg, "ipu-model") == 1
     assert init_replica(cfg, "ipu") == ReplicaInfo()
+
+
+def test_more_cuda_replicas_than_gpus_is_refused_before_any_starts(monkeypatch) -> None:
+    """configs/qm9.yaml's 2 replicas on a one-GPU host: one line naming the setting to use
+    (a host with one GPU is what the device count says; none is here)."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError, match=r"backend.replicas=2, but this host has 1 CUDA.*=1"):
+        processes_for(BackendConfig(replicas=2), "cuda")
+    assert processes_for(BackendConfig(replicas=1), "cuda") == 1
+    assert processes_for(BackendConfig(replicas=2), "cpu") == 2
 
 
 def preparing_worker(rank: int, world: int, work_dir: Path, rank0_seconds: float) -> None:

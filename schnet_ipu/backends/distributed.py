@@ -40,7 +40,7 @@ import torch.multiprocessing as mp
 from torch import Tensor, nn
 
 from schnet_ipu.backends.shared_memory import SharedMemoryReduction
-from schnet_ipu.config import BackendConfig
+from schnet_ipu.config import BackendConfig, ConfigError
 from schnet_ipu.errors import EXIT_USER_ERROR, UserError
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -88,8 +88,17 @@ def one_process_drives_replicas(backend_cfg: BackendConfig, device: str) -> bool
 
 def processes_for(backend_cfg: BackendConfig, device: str) -> int:
     """Replica processes to launch here: R for torch devices, 1 for PopTorch and its
-    emulator (``device`` is what :func:`~schnet_ipu.backends.select_device` gave)."""
-    return 1 if one_process_drives_replicas(backend_cfg, device) else backend_cfg.replicas
+    emulator (``device`` is what :func:`~schnet_ipu.backends.select_device` gave). Spawned
+    CUDA replicas take one GPU each, so more of them than GPUs is refused before any starts."""
+    if one_process_drives_replicas(backend_cfg, device):
+        return 1
+    gpus = torch.cuda.device_count() if device.startswith("cuda") else 0
+    if gpus and not under_torchrun() and backend_cfg.replicas > gpus:
+        raise ConfigError(
+            f"backend.replicas={backend_cfg.replicas}, but this host has {gpus} CUDA "
+            f"device(s) and each replica takes one: set backend.replicas={gpus}"
+        )
+    return backend_cfg.replicas
 
 
 def replicas_in_call(backend_cfg: BackendConfig, device: str, replica: ReplicaInfo) -> int:
