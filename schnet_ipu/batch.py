@@ -28,6 +28,11 @@ Padding conventions (the model and loss rely on them; tests check them):
   reverse (j, i, -S) in the second half, so the radius layout and the pair-symmetric filter
   hold unchanged; an atom may pair with its own image (i == j, S != 0), and with several
   images of one neighbour. Molecule batches have both fields None (unchanged bits).
+* Partial labels (stores where only some frames carry forces or stress): ``forces_mask``
+  / ``stress_mask`` [G] bool say which slots' frames carry them (False on padding slots);
+  the others hold zero targets that no loss or metric reads. Batches of fully labelled
+  stores have both None: every real slot carries the forces, every slot with a cell the
+  stress.
 * Atoms of one molecule are contiguous and molecules keep their pack, so ``graph`` is sorted
   (non-decreasing) over the real atoms of each pack.
 """
@@ -57,6 +62,8 @@ class Batch:
     edge_shift: Tensor | None = None  # [E, 3] int32 integer cell shifts; periodic batches only
     cell: Tensor | None = None  # [G, 3, 3] float32 lattice vectors as rows; periodic batches only
     stress: Tensor | None = None  # [G, 3, 3] float32 target stress, 0 on padding; stores with it
+    forces_mask: Tensor | None = None  # [G] bool frame carries forces; partial forces only
+    stress_mask: Tensor | None = None  # [G] bool frame carries stress; partial stress only
 
     @property
     def num_nodes(self) -> int:
@@ -144,6 +151,9 @@ def stack_batches(batches: list[Batch]) -> Batch:
     def cat(name: str) -> Tensor:
         return torch.cat([getattr(b, name) for b in batches])
 
+    def cat_present(name: str) -> Tensor | None:
+        return cat(name) if all(getattr(b, name) is not None for b in batches) else None
+
     edge_index = edge_mask = edge_shift = None
     if edges:
         halves = [e.shape[1] // 2 for e in edges]
@@ -164,8 +174,10 @@ def stack_batches(batches: list[Batch]) -> Batch:
         molecule_index=cat("molecule_index"),
         edge_index=edge_index,
         edge_mask=edge_mask,
-        forces=cat("forces") if all(b.forces is not None for b in batches) else None,
+        forces=cat_present("forces"),
         edge_shift=edge_shift,
-        cell=cat("cell") if all(b.cell is not None for b in batches) else None,
-        stress=cat("stress") if all(b.stress is not None for b in batches) else None,
+        cell=cat_present("cell"),
+        stress=cat_present("stress"),
+        forces_mask=cat_present("forces_mask"),
+        stress_mask=cat_present("stress_mask"),
     )

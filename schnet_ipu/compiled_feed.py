@@ -34,11 +34,11 @@ FITS, TOO_MANY_ATOMS, TOO_MANY_MOLECULES, TOO_MANY_EDGES, BAD_MOLECULES = range(
 
 def _fill_chunk(
     z_source, pos_source, forces_source, y_source, index_source, atom_start, num_atoms,
-    pair_ij, pair_start, pair_count, pair_shift, cell_source, stress_source, molecules,
-    pack_lengths,
+    pair_ij, pair_start, pair_count, pair_shift, cell_source, stress_source,
+    forces_mask_source, stress_mask_source, molecules, pack_lengths,
     packs_per_batch, max_nodes, max_graphs, max_edges, padding_origin, padding_spacing,
     z, pos, forces, graph, node_mask, y, graph_mask, molecule_index, edge_index, edge_mask,
-    edge_shift, cell, stress,
+    edge_shift, cell, stress, forces_mask, stress_mask,
 ):  # fmt: skip
     """Fill K batches (the outputs, [K, ...] as :class:`schnet_ipu.feed.Assembled`) from
     packs given flat: ``molecules`` [T] in pack order, ``pack_lengths`` [K * B].
@@ -52,8 +52,10 @@ def _fill_chunk(
     int8 [P + 1, 3] and ``cell_source`` float32 [M, 3, 3], written to ``edge_shift`` int32
     [K, E, 3] (S forward, -S reversed, 0 on padding) and ``cell`` float32 [K, G, 3, 3]
     (0 on empty slots); stores with stress: ``stress_source`` float32 [M, 3, 3] to
-    ``stress`` [K, G, 3, 3] (0 on empty slots); [0, 3] / [0, 3, 3] sources mean none
-    (outputs then unused).
+    ``stress`` [K, G, 3, 3] (0 on empty slots); stores with partial labels:
+    ``forces_mask_source`` / ``stress_mask_source`` bool [M] to ``forces_mask`` /
+    ``stress_mask`` bool [K, G] (False on empty slots); [0], [0, 3] / [0, 3, 3] sources mean
+    none (outputs then unused).
     Returns FITS; BAD_MOLECULES for
     an index outside 0..M-1 or pack lengths that do not add up to T (nothing written); or
     the code of the first limit a pack breaks (the checks of feed.check_packs; nothing past
@@ -63,6 +65,8 @@ def _fill_chunk(
     with_forces = forces_source.shape[0] > 0
     with_cells, with_shifts = cell_source.shape[0] > 0, pair_shift.shape[0] > 0
     with_stress = stress_source.shape[0] > 0
+    with_forces_mask = forces_mask_source.shape[0] > 0
+    with_stress_mask = stress_mask_source.shape[0] > 0
     # Pass 1: what each molecule needs, gathered first. These loads do not depend on each
     # other, so the CPU overlaps their cache misses; in the writing loop they stalled it
     # (this pass makes the whole loop ~20% faster on QM9).
@@ -99,6 +103,10 @@ def _fill_chunk(
                         cell[k, slot] = 0.0
                     if with_stress:
                         stress[k, slot] = 0.0
+                    if with_forces_mask:
+                        forces_mask[k, slot] = False
+                    if with_stress_mask:
+                        stress_mask[k, slot] = False
                     continue
                 y[k, slot], graph_mask[k, slot] = targets[t], True
                 molecule_index[k, slot] = where[t, 4]
@@ -106,6 +114,10 @@ def _fill_chunk(
                     cell[k, slot] = cell_source[where[t, 5]]
                 if with_stress:
                     stress[k, slot] = stress_source[where[t, 5]]
+                if with_forces_mask:
+                    forces_mask[k, slot] = forces_mask_source[where[t, 5]]
+                if with_stress_mask:
+                    stress_mask[k, slot] = stress_mask_source[where[t, 5]]
                 first, n = where[t, 0], where[t, 1]
                 if row + n > end:
                     return TOO_MANY_ATOMS
@@ -160,13 +172,15 @@ def _chunk_signature(pair_dtype):
     sources = [
         _array(t.uint8, 1), _array(f32, 2), _array(f32, 2), _array(f32, 1),
         *[_array(i64, 1)] * 3, _array(pair_dtype, 2), *[_array(i64, 1)] * 2,
-        _array(t.int8, 2), _array(f32, 3), _array(f32, 3), *[_array(i64, 1)] * 2,
+        _array(t.int8, 2), _array(f32, 3), _array(f32, 3), *[_array(t.boolean, 1)] * 2,
+        *[_array(i64, 1)] * 2,
     ]  # fmt: skip
     sizes = [i64] * 4 + [t.float64] * 2
     outputs = [
         _array(i64, 2), _array(f32, 3), _array(f32, 3), _array(i64, 2), _array(t.boolean, 2),
         _array(f32, 2), _array(t.boolean, 2), _array(i64, 2), _array(i64, 3),
         _array(t.boolean, 2), _array(t.int32, 3), _array(f32, 4), _array(f32, 4),
+        *[_array(t.boolean, 2)] * 2,
     ]  # fmt: skip
     return i64(*sources, *sizes, *outputs)
 

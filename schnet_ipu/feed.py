@@ -10,7 +10,8 @@ hands out their rows as :class:`~schnet_ipu.batch.Batch` views.
 Radius edges keep the order of a per-pack search: pack, then i, then j (i < j), forward
 pairs first, then the same pairs reversed (see schnet_ipu.batch). Periodic stores (with
 cells) add each pair's integer cell shift S (the reversed pair gets -S) and each molecule
-slot's cell.
+slot's cell. Stores with partial labels add each slot's ``forces_mask`` / ``stress_mask``
+(False on padding slots).
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ class FeedArrays:
     pair_shift: Tensor | None = None  # int8 [P + 1, 3] cell shift S of each pair (last: 0);
     # periodic stores' radius graphs only
     stress: Tensor | None = None  # float32 [M, 3, 3] target stress; stores with stress only
+    forces_mask: Tensor | None = None  # bool [M] frame carries forces; partial forces only
+    stress_mask: Tensor | None = None  # bool [M] frame carries stress; partial stress only
 
     @classmethod
     def from_store(
@@ -82,6 +85,9 @@ class FeedArrays:
             forces = store.forces() if store.has_forces else None
             cell = store.cells()[0] if store.periodic else None
             stress = store.stress() if store.has_stress else None
+            partial = store.partial_labels
+            forces_mask = store.forces_mask() if "forces" in partial else None
+            stress_mask = store.stress_mask() if "stress" in partial else None
         except OSError as err:
             raise LoaderError(f"cannot read the molecules of {store.path}: {err}") from err
         source = str(store.path)
@@ -96,6 +102,8 @@ class FeedArrays:
             source,
             cell=cell,
             stress=stress,
+            forces_mask=forces_mask,
+            stress_mask=stress_mask,
         )
         return arrays.to(device)
 
@@ -113,10 +121,13 @@ class FeedArrays:
         store_index: np.ndarray | None = None,
         cell: np.ndarray | None = None,
         stress: np.ndarray | None = None,
+        forces_mask: np.ndarray | None = None,
+        stress_mask: np.ndarray | None = None,
     ) -> FeedArrays:
         """CPU feed arrays from numpy: ``offsets`` int [M + 1] splits z [A] / pos [A, 3];
         ``cell`` [M, 3, 3] for periodic stores (whose ``pairs`` are PeriodicPairs), and
-        their target ``stress`` [M, 3, 3] when the store has it.
+        their target ``stress`` [M, 3, 3] when the store has it; ``forces_mask`` /
+        ``stress_mask`` bool [M] when only some frames carry forces / stress.
 
         Each per-atom and per-pair array gets one zero entry at its end: padding atoms and
         padding edges of a batch are gathered from it (z 0, position 0, local atoms 0, no
@@ -141,6 +152,8 @@ class FeedArrays:
             store_index=None if store_index is None else torch.as_tensor(store_index),
             cell=None if cell is None else torch.from_numpy(np.asarray(cell, np.float32)),
             stress=None if stress is None else torch.from_numpy(np.asarray(stress, np.float32)),
+            forces_mask=None if forces_mask is None else torch.from_numpy(_bools(forces_mask)),
+            stress_mask=None if stress_mask is None else torch.from_numpy(_bools(stress_mask)),
             pair_shift=(
                 _with_zero_entry(pairs.shift) if isinstance(pairs, PeriodicPairs) else None
             ),
@@ -164,6 +177,24 @@ class FeedArrays:
 
     def name(self, molecule: int) -> str:
         return f"molecule {molecule} (record {int(self.ids[molecule])}) of {self.source}"
+
+    @property
+    def label_masks(self) -> int:
+        """How many per-frame label masks the batches carry (0, 1 or 2)."""
+        return (self.forces_mask is not None) + (self.stress_mask is not None)
+
+    def batch_bytes(self, layout: Layout) -> int:
+        """Bytes of one batch assembled from these arrays."""
+        return layout.batch_bytes(
+            self.forces is not None,
+            self.cell is not None,
+            self.stress is not None,
+            self.label_masks,
+        )
+
+
+def _bools(values: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(values, dtype=np.bool_)
 
 
 def _pair_table(pairs: RadiusPairs) -> Tensor:
@@ -247,7 +278,7 @@ class _Outputs:
     ) -> None:
         self.device, self.pin = device, pin and device.type == "cpu"
         use_buffers = buffers is not None and device.type == "cpu" and not self.pin
-        slack = 16 * self.ALIGN  # room to align each of the (at most 13) tensors
+        slack = 16 * self.ALIGN  # room to align each of the (at most 15) tensors
         self.memory = buffers.take(nbytes + slack) if use_buffers else None
         self.used = 0
 
@@ -281,6 +312,8 @@ class Assembled:
     edge_shift: Tensor | None = None  # int32 [K, E, 3] (periodic radius graphs)
     cell: Tensor | None = None  # float32 [K, G, 3, 3] (periodic stores)
     stress: Tensor | None = None  # float32 [K, G, 3, 3] (stores with stress)
+    forces_mask: Tensor | None = None  # bool [K, G] (stores with partial forces)
+    stress_mask: Tensor | None = None  # bool [K, G] (stores with partial stress)
     num_molecules: list[int] | None = None  # [K] real molecules per batch, when known on the host
 
 
@@ -418,9 +451,7 @@ def assemble(
     than by the torch program below; both give the same bytes.
     """
     K = len(pack_lengths) // layout.packs_per_batch
-    nbytes = K * layout.batch_bytes(
-        arrays.forces is not None, arrays.cell is not None, arrays.stress is not None
-    )
+    nbytes = K * arrays.batch_bytes(layout)
     output = _Outputs(nbytes, arrays.device, pin, buffers)
     if compiled is None:
         compiled = compiled_feed.AVAILABLE
@@ -473,6 +504,13 @@ def assemble(
         stress = output((K * G, 3, 3), torch.float32).fill_(0)
         stress[flat_slot] = arrays.stress[molecules]
         stress = stress.view(K, G, 3, 3)
+    masks = {}
+    for name in ("forces_mask", "stress_mask"):
+        carried = getattr(arrays, name)
+        if carried is not None:
+            mask = output((K * G,), torch.bool).fill_(False)
+            mask[flat_slot] = carried[molecules]
+            masks[name] = mask.view(K, G)
 
     edge_index = edge_mask = edge_shift = None
     if lay.max_edges is not None:
@@ -502,6 +540,7 @@ def assemble(
         edge_shift=edge_shift,
         cell=cell,
         stress=stress,
+        **masks,
     )
 
 
@@ -518,6 +557,7 @@ def _fill_compiled(
     radius = lay.max_edges is not None
     with_cells, with_shifts = arrays.cell is not None, radius and arrays.pair_shift is not None
     with_stress = arrays.stress is not None
+    with_masks = [getattr(arrays, name) is not None for name in ("forces_mask", "stress_mask")]
     fields = {
         "z": output((K, N), torch.int64),
         "pos": output((K, N, 3), torch.float32),
@@ -534,6 +574,10 @@ def _fill_compiled(
         else _none(3, dtype=torch.int32),
         "cell": output((K, G, 3, 3), torch.float32) if with_cells else _none(3, 3),
         "stress": output((K, G, 3, 3), torch.float32) if with_stress else _none(3, 3),
+        **{
+            name: output((K, G), torch.bool) if present else _none(dtype=torch.bool)
+            for name, present in zip(("forces_mask", "stress_mask"), with_masks)
+        },
     }
     no_pairs = torch.zeros(0, dtype=torch.int64)
     sources = [
@@ -550,6 +594,10 @@ def _fill_compiled(
         arrays.pair_shift if with_shifts else _none(3, dtype=torch.int8)[0],
         arrays.cell if with_cells else _none(3, 3)[0],
         arrays.stress if with_stress else _none(3, 3)[0],
+        *(
+            getattr(arrays, name) if present else _none(dtype=torch.bool)[0]
+            for name, present in zip(("forces_mask", "stress_mask"), with_masks)
+        ),
         molecules,
         pack_lengths,
     ]
@@ -579,6 +627,9 @@ def _fill_compiled(
         fields["cell"] = None
     if not with_stress:
         fields["stress"] = None
+    for name, present in zip(("forces_mask", "stress_mask"), with_masks):
+        if not present:
+            fields[name] = None
     return Assembled(**fields)
 
 

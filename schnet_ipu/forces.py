@@ -1,6 +1,7 @@
 """Forces as ``-dE/dpos`` through the model, by autograd on the packed batch.
 
     energy, forces = energy_and_forces(model, batch, create_graph=True)  # training
+    atoms = labelled_atoms(batch)  # [N] the atoms whose frame carries target forces
 
 The losses and metrics built on them live in :mod:`schnet_ipu.task`.
 """
@@ -32,6 +33,15 @@ def energy_and_forces(model: nn.Module, batch: Batch, create_graph: bool) -> tup
     return energy, forces
 
 
+def labelled_atoms(batch: Batch) -> Tensor:
+    """[N] bool: the real atoms whose frame carries target forces (every real atom unless
+    the batch has a ``forces_mask``; padding atoms, of the filler slot G, never)."""
+    if batch.forces_mask is None:
+        return batch.node_mask
+    per_slot = torch.cat([batch.forces_mask, batch.forces_mask.new_zeros(1)])  # [G + 1]
+    return per_slot[batch.graph]
+
+
 def atoms_per_molecule(batch: Batch) -> Tensor:
     """Real atoms of each molecule slot [G] (0 for padding slots), float."""
     counts = torch.bincount(batch.graph, minlength=batch.num_graphs + 1)[: batch.num_graphs]
@@ -39,7 +49,10 @@ def atoms_per_molecule(batch: Batch) -> Tensor:
 
 
 def force_rms(store: MoleculeStore, molecules: np.ndarray) -> float:
-    """RMS force component over the atoms of ``molecules`` [M] (the force loss scale)."""
+    """RMS force component over the atoms of ``molecules`` [M] (the force loss scale; those
+    that carry forces); 1 when there are none."""
+    if not len(molecules):
+        return 1.0
     atoms = np.concatenate(
         [np.arange(store.offsets[i], store.offsets[i + 1]) for i in molecules.tolist()]
     )

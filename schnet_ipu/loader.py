@@ -95,17 +95,17 @@ class Layout:
         )
 
     def batch_bytes(
-        self, forces: bool = False, periodic: bool = False, stress: bool = False
+        self, forces: bool = False, periodic: bool = False, stress: bool = False, masks: int = 0
     ) -> int:
         """Bytes of one assembled batch (N, G, E as above); ``periodic``: with cells and
-        edge shifts; ``stress``: with target stress."""
+        edge shifts; ``stress``: with target stress; ``masks``: per-slot label masks."""
         n = self.packs_per_batch * self.max_nodes
         g = self.packs_per_batch * self.max_graphs
         e = self.packs_per_batch * (self.max_edges or 0)
         cells, shifts = (36, 12) if periodic else (0, 0)
         return (
             n * (8 + 12 + 8 + 1 + (12 if forces else 0))
-            + g * (4 + 1 + 8 + cells + (36 if stress else 0))
+            + g * (4 + 1 + 8 + cells + (36 if stress else 0) + masks)
             + e * (16 + 1 + shifts)
         )
 
@@ -427,10 +427,7 @@ class PackedLoader:
         self.ahead = max(prefetch, workers, 1)
         self.pin = pin_memory
         self.signature: tuple | None = None
-        arrays = dataset.arrays
-        per_batch = dataset.layout.batch_bytes(
-            arrays.forces is not None, arrays.cell is not None, arrays.stress is not None
-        )
+        per_batch = dataset.arrays.batch_bytes(dataset.layout)
         self.chunk_batches = chunk_batches or max(1, CHUNK_BYTES // per_batch)
         on_cpu = dataset.arrays.device.type == "cpu"
         self.at_once = 1 if workers or not on_cpu else torch.get_num_threads()

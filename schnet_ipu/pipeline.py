@@ -104,6 +104,11 @@ def prepare_data(cfg: Config) -> PreparedData:
     with stage("store", timings):
         store = MoleculeStore(ensure_store(cfg.data, cfg.logging.progress), cache=cfg.loader.cache)
         log.info("store %s: %d molecules, %s", store.path, len(store), store.attrs.get("source"))
+        if cfg.model.graph == "knn" and store.periodic:
+            raise ConfigError(
+                f"model.graph=knn ignores cells, but {store.path} holds periodic frames; set "
+                "model.graph=radius (periodic images need the radius graph's cell shifts)"
+            )
     with stage("split", timings):
         try:
             split = load_or_make_split(

@@ -1,6 +1,7 @@
 """Energy, forces and stress of periodic batches by autograd (the virial route).
 
     energy, forces, stress = energy_forces_stress(model, batch, create_graph=False)
+    slots = labelled_slots(batch)  # [G] the slots whose frame carries target stress
 
 A symmetric strain eps [G, 3, 3] (zero, but differentiable) deforms each molecule slot's
 atoms and cell together, ``pos -> pos (I + eps)`` and ``cell -> cell (I + eps)`` (row
@@ -22,6 +23,13 @@ import torch
 from torch import Tensor, nn
 
 from schnet_ipu.batch import Batch
+
+
+def labelled_slots(batch: Batch) -> Tensor:
+    """[G] bool: the real slots of a periodic ``batch`` whose frame carries target stress:
+    those with a cell, and of them those its ``stress_mask`` marks when it has one."""
+    periodic = batch.graph_mask & (torch.linalg.det(batch.cell).abs() > 0)
+    return periodic if batch.stress_mask is None else periodic & batch.stress_mask
 
 
 def energy_forces_stress(

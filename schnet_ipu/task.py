@@ -12,6 +12,10 @@ One object per objective, in the spirit of schnetpack's tasks: it owns
 * the loss: standardised squared energy error, plus standardised force and stress terms;
 * the metrics, all from one pass over a split (with forces, energies come from the same
   autograd evaluation that gives the forces);
+* partial labels: force and stress terms and metrics count only the frames that carry
+  them (:func:`~schnet_ipu.forces.labelled_atoms`, :func:`~schnet_ipu.stress.labelled_slots`),
+  their scales come from the labelled training frames, and every force or stress metric
+  comes with the frames it covered (``force_frames``, ``stress_frames``);
 * its parameters, which every checkpoint holds (:meth:`Task.to_dict`), so a model file needs
   no data set to turn predictions into energies.
 """
@@ -30,9 +34,9 @@ from torch import Tensor, nn
 
 from schnet_ipu.batch import Batch
 from schnet_ipu.config import Config, ConfigError
-from schnet_ipu.forces import atoms_per_molecule, energy_and_forces, force_rms
+from schnet_ipu.forces import atoms_per_molecule, energy_and_forces, force_rms, labelled_atoms
 from schnet_ipu.pipeline import PreparedData
-from schnet_ipu.stress import energy_forces_stress
+from schnet_ipu.stress import energy_forces_stress, labelled_slots
 
 NUM_REFERENCE_ELEMENTS = 119  # atom references are indexed by atomic number 0..118
 
@@ -75,9 +79,10 @@ class Predictions:
     energy: np.ndarray  # [M] predicted model target
     energy_true: np.ndarray  # [M]
     atoms: np.ndarray  # [M] atoms per molecule
-    forces: np.ndarray | None = None  # [A, 3] predicted, real atoms only
+    forces: np.ndarray | None = None  # [A, 3] predicted, atoms of frames with target forces
     forces_true: np.ndarray | None = None  # [A, 3]
-    stress: np.ndarray | None = None  # [P, 3, 3] predicted, real slots with a cell
+    force_frames: int = 0  # frames those atoms belong to
+    stress: np.ndarray | None = None  # [P, 3, 3] predicted, frames with target stress
     stress_true: np.ndarray | None = None  # [P, 3, 3]
 
 
@@ -126,15 +131,18 @@ class EnergyTask:
 class EnergyForceTask:
     """Energies and forces (any store with forces; ``weight`` 0 trains energies only and
     still scores the forces): ``mean over real molecules ((E - E_ref) / s_E)^2 + w * mean over
-    real atoms of |F - F_ref|^2 / (3 s_F^2)``. Both terms are standardised, so a zero-force
-    prediction scores about 1 when ``s_F`` is the RMS force component of the training split,
-    as a mean-energy prediction does for ``s_E``. Padding atoms have zero force and no term.
-    Forces are ``-dE/dpos`` by double backward, differentiable in the parameters.
+    labelled atoms of |F - F_ref|^2 / (3 s_F^2)``, the labelled atoms being those of frames
+    that carry forces (all, unless the store has partial labels). Both terms are
+    standardised, so a zero-force prediction scores about 1 when ``s_F`` is the RMS force
+    component of the training split's labelled frames, as a mean-energy prediction does for
+    ``s_E``. Padding atoms have zero force and no term. Forces are ``-dE/dpos`` by double
+    backward, differentiable in the parameters.
 
     Stores with stress (periodic frames) are scored on it too, and with ``stress_weight``
-    > 0 the loss gains ``w_s * mean over real slots with a cell of |S - S_ref|^2 / (9
-    s_S^2)``, ``s_S`` the RMS stress component of the training split; stress is ``dE/deps /
-    V`` by the strain route (:mod:`schnet_ipu.stress`), in ASE's convention.
+    > 0 the loss gains ``w_s * mean over slots with target stress of |S - S_ref|^2 / (9
+    s_S^2)``, ``s_S`` the RMS stress component of the training frames that carry stress;
+    stress is ``dE/deps / V`` by the strain route (:mod:`schnet_ipu.stress`), ASE's
+    convention. A batch with no labelled atom (slot) adds 0 for that term.
     """
 
     with_forces = True
@@ -172,10 +180,10 @@ class EnergyForceTask:
         else:
             energy, forces = energy_and_forces(model, batch, create_graph=True)
         energy_loss = masked_mse(energy, batch.y, batch.graph_mask, self.transform.scale)
-        real = batch.node_mask.unsqueeze(1)
-        error = torch.where(real, forces - batch.forces, 0.0)  # [N, 3]
-        components = 3 * batch.node_mask.sum().clamp(min=1)
-        force_loss = error.square().sum() / (components * self.force_scale**2)
+        labelled = labelled_atoms(batch)
+        error = torch.where(labelled.unsqueeze(1), forces - batch.forces, 0.0)  # [N, 3]
+        components = 3 * labelled.sum()
+        force_loss = error.square().sum() / (components.clamp(min=1) * self.force_scale**2)
         with torch.no_grad():  # the epoch's training errors, read by the progress bar
             per_atom = (energy - batch.y).abs() / atoms_per_molecule(batch).clamp(min=1)
             sums = torch.stack(
@@ -191,12 +199,12 @@ class EnergyForceTask:
         return loss if stress_loss is None else loss + self.stress_weight * stress_loss
 
     def _stress_loss(self, stress: Tensor, batch: Batch) -> Tensor:
-        """Mean over real slots with a cell of |S - S_ref|^2 / (9 s_S^2)."""
+        """Mean over the slots with target stress of |S - S_ref|^2 / (9 s_S^2)."""
         if batch.stress is None or batch.cell is None:
             raise ValueError("optim.stress_weight > 0 needs batches with stress (a store with it)")
-        periodic = batch.graph_mask & (torch.linalg.det(batch.cell).abs() > 0)
-        error = torch.where(periodic.view(-1, 1, 1), stress - batch.stress, 0.0)
-        slots = 9 * periodic.sum().clamp(min=1)
+        labelled = labelled_slots(batch)
+        error = torch.where(labelled.view(-1, 1, 1), stress - batch.stress, 0.0)
+        slots = 9 * labelled.sum().clamp(min=1)
         return error.square().sum() / (slots * self.stress_scale**2)
 
     def training_metrics(self) -> dict[str, float]:
@@ -220,8 +228,10 @@ class EnergyForceTask:
 
 
 def make_task(cfg: Config, data: PreparedData) -> EnergyTask | EnergyForceTask:
-    """The run's task: references and scale from the training split; forces scored when
-    the store has them, trained with ``optim.forces_weight > 0``."""
+    """The run's task: references and scales from the training split (force and stress
+    scales from its frames that carry them); forces scored when the store has them, trained
+    with ``optim.forces_weight > 0``. A force or stress weight > 0 with no training frame
+    carrying that label is a ConfigError."""
     atomref = data.store.atomref(cfg.data.target)
     reference = np.zeros(NUM_REFERENCE_ELEMENTS)
     if cfg.data.atomrefs and atomref is not None:
@@ -237,14 +247,32 @@ def make_task(cfg: Config, data: PreparedData) -> EnergyTask | EnergyForceTask:
             if getattr(cfg.optim, key) > 0:
                 raise ConfigError(f"optim.{key} > 0, but {data.store.path} holds no forces")
         return EnergyTask(transform)
-    scale = force_rms(data.store, data.split["train"])  # forces are scored even at weight 0
+    train = data.split["train"]
+    with_forces = train[data.store.forces_mask()[train]]
+    _check_labelled(cfg.optim.forces_weight, "forces", with_forces, data)
+    scale = force_rms(data.store, with_forces)  # forces are scored even at weight 0
     stress_scale = None
     if data.store.has_stress:
-        stress = data.store.stress()[data.split["train"]]
-        stress_scale = float(np.sqrt(np.mean(stress**2))) or 1.0
+        with_stress = train[data.store.stress_mask()[train]]
+        _check_labelled(cfg.optim.stress_weight, "stress", with_stress, data)
+        stress = data.store.stress()[with_stress]
+        stress_scale = float(np.sqrt(np.mean(stress**2))) if len(stress) else 0.0
+        stress_scale = stress_scale or 1.0  # no training frame with stress, or all zero
     return EnergyForceTask(
         transform, scale, cfg.optim.forces_weight, stress_scale, cfg.optim.stress_weight
     )
+
+
+def _check_labelled(weight: float, label: str, frames: np.ndarray, data: PreparedData) -> None:
+    """ConfigError when ``weight`` > 0 trains ``label`` but no training frame carries it
+    (``frames``: those that do)."""
+    if weight > 0 and not len(frames):
+        key = "forces_weight" if label == "forces" else "stress_weight"
+        raise ConfigError(
+            f"optim.{key} > 0, but no frame of the training split of {data.store.path} "
+            f"carries {label} ({len(data.split['train'])} frames); set optim.{key}=0 or "
+            f"import frames with {label}"
+        )
 
 
 class Evaluator(Protocol):
@@ -278,27 +306,27 @@ def predictions(task: Task, backend: Evaluator, loader) -> Iterator[Predictions]
             else:
                 energy, forces = backend.predict(batch), None
             batch = batch.to("cpu")  # (device-resident batches live on the GPU)
-            mol, real = batch.graph_mask.numpy(), batch.node_mask.numpy()
-            if stress is not None:  # real slots with a cell
-                cells = batch.cell.double().numpy()
-                periodic = mol & (np.abs(np.linalg.det(cells)) > 0)
+            mol, atoms = batch.graph_mask.numpy(), labelled_atoms(batch).numpy()
+            frames = mol if batch.forces_mask is None else mol & batch.forces_mask.numpy()
+            slots = None if stress is None else labelled_slots(batch).numpy()
             yield Predictions(
                 index=batch.molecule_index.numpy()[mol],
                 energy=energy.double().cpu().numpy()[mol],
                 energy_true=batch.y.double().numpy()[mol],
                 atoms=atoms_per_molecule(batch).double().numpy()[mol],
-                forces=None if forces is None else forces.double().cpu().numpy()[real],
-                forces_true=None if forces is None else batch.forces.double().numpy()[real],
-                stress=None if stress is None else stress.double().cpu().numpy()[periodic],
-                stress_true=None if stress is None else batch.stress.double().numpy()[periodic],
+                forces=None if forces is None else forces.double().cpu().numpy()[atoms],
+                forces_true=None if forces is None else batch.forces.double().numpy()[atoms],
+                force_frames=int(frames.sum()),
+                stress=None if stress is None else stress.double().cpu().numpy()[slots],
+                stress_true=None if stress is None else batch.stress.double().numpy()[slots],
             )
 
 
 def error_sums(task: Task, parts: Iterator[Predictions]) -> Tensor:
-    """float64 [9]: sums of |error|, error^2, (error / scale)^2, molecules, |error| / atoms,
-    |force component error|, force components, |stress component error|, stress components;
-    they add up over batches and replicas."""
-    sums = torch.zeros(9, dtype=torch.float64)
+    """float64 [11]: sums of |error|, error^2, (error / scale)^2, molecules, |error| / atoms,
+    |force component error|, force components, frames with forces, |stress component
+    error|, stress components, frames with stress; they add up over batches and replicas."""
+    sums = torch.zeros(11, dtype=torch.float64)
     for p in parts:
         error = p.energy - p.energy_true
         force_error = 0.0 if p.forces is None else np.abs(p.forces - p.forces_true).sum()
@@ -312,8 +340,10 @@ def error_sums(task: Task, parts: Iterator[Predictions]) -> Tensor:
                 (np.abs(error) / p.atoms).sum(),
                 force_error,
                 0 if p.forces is None else p.forces.size,
+                0 if p.forces is None else p.force_frames,
                 stress_error,
                 0 if p.stress is None else p.stress.size,
+                0 if p.stress is None else len(p.stress),
             ],
             dtype=torch.float64,
         )
@@ -322,8 +352,11 @@ def error_sums(task: Task, parts: Iterator[Predictions]) -> Tensor:
 
 def metrics_from_sums(task: Task, sums: Tensor, split: str) -> dict[str, float]:
     """mae, rmse, loss (the standardised energy error, comparable with the training loss),
-    molecules; with forces also energy_mae_per_atom and force_mae."""
-    abs_sum, sq_sum, loss_sum, count, per_atom, f_abs, components, s_abs, s_count = sums.tolist()
+    molecules; with forces also energy_mae_per_atom, force_frames (frames with target
+    forces) and force_mae over their atoms; with stress, stress_frames and stress_mae. An
+    MAE over no frame is left out (its frame count, 0, says why)."""
+    abs_sum, sq_sum, loss_sum, count, per_atom = sums[:5].tolist()
+    f_abs, components, f_frames, s_abs, s_count, s_frames = sums[5:].tolist()
     if count == 0:
         raise ConfigError(f"the {split} split has no molecules to evaluate")
     metrics = {
@@ -334,9 +367,13 @@ def metrics_from_sums(task: Task, sums: Tensor, split: str) -> dict[str, float]:
     }
     if task.with_forces:
         metrics["energy_mae_per_atom"] = per_atom / count
-        metrics["force_mae"] = f_abs / max(components, 1)
+        metrics["force_frames"] = int(f_frames)
+        if components:
+            metrics["force_mae"] = f_abs / components
     if task.with_stress:
-        metrics["stress_mae"] = s_abs / max(s_count, 1)
+        metrics["stress_frames"] = int(s_frames)
+        if s_count:
+            metrics["stress_mae"] = s_abs / s_count
     return metrics
 
 
@@ -354,28 +391,30 @@ def trivial_baselines(
 ) -> dict[str, float]:
     """Errors of trivial predictors on ``split``: the dressed-atom fit (``baseline_mae``);
     with forces also energy = atoms x the training mean energy per atom (MAE per atom) and
-    forces = 0 (MAE per component)."""
+    forces = 0 (MAE per component, over the frames with forces); with stress the training
+    frames' mean stress (over the frames with stress). A baseline over no frame is left out."""
     baselines = {"baseline_mae": float(np.abs(data.baseline_errors(split)).mean())}
     if not with_forces:
         return baselines
     store, targets, train, index = data.store, data.targets, data.split["train"], data.split[split]
     atoms = store.num_atoms
     mean_per_atom = float(np.mean(targets[train] / atoms[train]))
-    forces = store.forces()
-    components = np.concatenate(
-        [forces[store.offsets[i] : store.offsets[i + 1]] for i in index.tolist()]
-    )
     baselines["baseline_energy_mae_per_atom"] = float(
         np.abs(targets[index] / atoms[index] - mean_per_atom).mean()
     )
-    baselines["baseline_force_mae"] = float(np.abs(components).mean())
-    if with_stress:  # the training split's mean stress, over frames with a cell
-        stress = store.stress()
-        cells, _ = store.cells()
-        periodic = np.abs(np.linalg.det(cells)) > 0
-        train_p, split_p = train[periodic[train]], index[periodic[index]]
-        mean = stress[train_p].mean(axis=0)
-        baselines["baseline_stress_mae"] = float(np.abs(stress[split_p] - mean).mean())
+    forces = store.forces()
+    labelled = index[store.forces_mask()[index]]
+    if len(labelled):
+        components = np.concatenate(
+            [forces[store.offsets[i] : store.offsets[i + 1]] for i in labelled.tolist()]
+        )
+        baselines["baseline_force_mae"] = float(np.abs(components).mean())
+    if with_stress:  # the mean stress of the training frames that carry it
+        stress, mask = store.stress(), store.stress_mask()
+        train_s, split_s = train[mask[train]], index[mask[index]]
+        if len(train_s) and len(split_s):
+            mean = stress[train_s].mean(axis=0)
+            baselines["baseline_stress_mae"] = float(np.abs(stress[split_s] - mean).mean())
     return baselines
 
 

@@ -1,6 +1,7 @@
 """Make a periodic energy + force + stress data set: fcc alloys labelled by ASE's EMT.
 
     python scripts/make_emt_bulk.py --out data/emt_bulk.extxyz [--frames 1200]
+    python scripts/make_emt_bulk.py --out data/emt_partial.extxyz --no-slab-stress
 
 Frames, in equal shares (deterministic from ``--seed``):
 
@@ -12,7 +13,8 @@ Frames, in equal shares (deterministic from ``--seed``):
 
 every frame rattled by a Gaussian of ``--rattle`` A, with EMT's energy (eV), forces
 (eV/A) and stress (eV/A^3, ASE's convention) as a single-point result, which extxyz writes.
-About a second per 100 frames on one core.
+``--no-slab-stress`` leaves the slabs without stress, as DFT sets of bulk and surfaces
+often are (a set with partial labels). About a second per 100 frames on one core.
 """
 
 from __future__ import annotations
@@ -68,22 +70,29 @@ def make_frame(rng: np.random.Generator, kind: str, strain: float, rattle: float
     return atoms
 
 
-def labelled(atoms: Atoms) -> Atoms:
-    """A copy of ``atoms`` carrying EMT's energy, forces and (periodic frames) stress as a
-    single-point result."""
+def labelled(atoms: Atoms, stress: bool = True) -> Atoms:
+    """A copy of ``atoms`` carrying EMT's energy, forces and (periodic frames, unless not
+    ``stress``) stress as a single-point result."""
     atoms = atoms.copy()
     atoms.calc = EMT()
     results = {"energy": atoms.get_potential_energy(), "forces": atoms.get_forces()}
-    if atoms.pbc.any():
+    if stress and atoms.pbc.any():
         results["stress"] = atoms.get_stress()
     atoms.calc = SinglePointCalculator(atoms, **results)
     return atoms
 
 
-def make_frames(frames: int, strain: float, rattle: float, seed: int) -> list[Atoms]:
-    """``frames`` labelled frames, the kinds in turn."""
+def make_frames(
+    frames: int, strain: float, rattle: float, seed: int, slab_stress: bool = True
+) -> list[Atoms]:
+    """``frames`` labelled frames, the kinds in turn (slabs without stress unless
+    ``slab_stress``)."""
     rng = np.random.default_rng(seed)
-    return [labelled(make_frame(rng, KINDS[k % len(KINDS)], strain, rattle)) for k in range(frames)]
+    made = []
+    for k in range(frames):
+        kind = KINDS[k % len(KINDS)]
+        made.append(labelled(make_frame(rng, kind, strain, rattle), kind != "slab" or slab_stress))
+    return made
 
 
 def main(argv: list[str]) -> int:
@@ -93,9 +102,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--strain", type=float, default=0.03, help="largest strain entry")
     parser.add_argument("--rattle", type=float, default=0.05, help="Angstrom (Gaussian sigma)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--no-slab-stress", action="store_true", help="slabs without stress (partial labels)"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    frames = make_frames(args.frames, args.strain, args.rattle, args.seed)
+    frames = make_frames(
+        args.frames, args.strain, args.rattle, args.seed, slab_stress=not args.no_slab_stress
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.out.with_name(f".{args.out.name}.tmp")
     ase.io.write(tmp, frames, format="extxyz")

@@ -5,7 +5,8 @@
 Every frame becomes one store record; record ids are the frame's position across all the
 files in order, and the store's ``files`` / ``frames_per_file`` attributes map an id back to
 "file, frame i". Energies are read from ``atoms.info[energy_key]`` or the attached calculator,
-forces from ``atoms.arrays[forces_key]`` or the calculator (optional, but all frames or none).
+forces from ``atoms.arrays[forces_key]`` or the calculator (optional: frames without them
+are kept, marked in the store's ``forces_mask``).
 A bad frame (no energy or a non-numeric one, unknown element, NaN position, forces of the
 wrong shape or not finite, a bad cell) or a file ASE cannot read (empty, a truncated gzip)
 stops the import with one line naming the file and frame index, and nothing is written; an
@@ -13,9 +14,14 @@ stops the import with one line naming the file and frame index, and nothing is w
 
 Periodic frames (any ``pbc`` True: extxyz with a Lattice, ASE db, VASP POSCAR/OUTCAR, CIF,
 whatever ``ase.io.read`` reads) keep their cell and pbc (:func:`frame_cell`), and their
-stress when every periodic frame has one (:func:`frame_stress`: ``atoms.info["stress"]`` or
-the calculator's, Voigt [6] or [3, 3], in eV/Angstrom^3). Frames without a cell stay
-molecules (zero cell, pbc False); a file with no periodic frame gives a molecule store.
+stress when they have one (:func:`frame_stress`: ``atoms.info["stress"]`` or the
+calculator's, Voigt [6] or [3, 3], in eV/Angstrom^3). Frames without a cell stay molecules
+(zero cell, pbc False); a file with no periodic frame gives a molecule store.
+
+Partial labels: when some frames have forces (or, among the periodic ones, stress) and
+others not, all are kept; those without hold zeros and the store's ``forces_mask`` /
+``stress_mask`` (:mod:`schnet_ipu.data.store`, version 2) say which frames carry them, so
+the loss and the metrics count only those.
 """
 
 from __future__ import annotations
@@ -215,21 +221,35 @@ def frame_stress(atoms, where: str) -> np.ndarray | None:
 
 
 def periodic_arrays(
-    cells: list[np.ndarray], pbcs: list[np.ndarray], stresses: list[np.ndarray | None], wheres
+    cells: list[np.ndarray], pbcs: list[np.ndarray], stresses: list[np.ndarray | None]
 ) -> dict:
-    """``write_store``'s cell, pbc, stress and stress_unit for the frames read: none when no
-    frame is periodic; stress when every periodic frame has one (StoreError naming the first
-    periodic frame without one when others have it); molecules get a zero stress."""
+    """``write_store``'s cell, pbc, stress, stress_unit and stress_mask for the frames read:
+    none when no frame is periodic; stress when a frame has one (zeros for the others), with
+    a mask when a periodic frame has none."""
     periodic = [k for k, pbc in enumerate(pbcs) if pbc.any()]
     if not periodic:
         return {}
     arrays = {"cell": np.stack(cells), "pbc": np.stack(pbcs)}
-    missing = [k for k in periodic if stresses[k] is None]
-    if len(missing) < len(periodic):
-        if missing:
-            raise StoreError(f"{wheres[missing[0]]}: no stress, but other periodic frames have it")
+    carried = np.array([s is not None for s in stresses])
+    if carried.any():
         arrays["stress"] = np.stack([np.zeros((3, 3)) if s is None else s for s in stresses])
         arrays["stress_unit"] = STRESS_UNIT
+        if not carried[periodic].all():
+            arrays["stress_mask"] = carried
+    return arrays
+
+
+def forces_arrays(forces: list[np.ndarray | None], z: list[np.ndarray]) -> dict:
+    """``write_store``'s forces and forces_mask for the frames read: none when no frame has
+    forces; zeros for the frames without, and a mask, when some have them."""
+    carried = np.array([f is not None for f in forces])
+    if not carried.any():
+        return {}
+    arrays = {
+        "forces": [np.zeros((len(n), 3), np.float32) if f is None else f for f, n in zip(forces, z)]
+    }
+    if not carried.all():
+        arrays["forces_mask"] = carried
     return arrays
 
 
@@ -241,12 +261,12 @@ def import_ase(
     progress: bool = True,
 ) -> Path:
     """Read every frame of ``files`` and write them to the store ``out`` (energy target in eV,
-    forces in eV/Angstrom when every frame has them). Returns ``out``."""
+    forces in eV/Angstrom and stress in eV/Angstrom^3 of the frames that have them). Returns
+    ``out``."""
     if not files:
         raise StoreError(f"{out}: data.source=ase needs data.files (a list of paths)")
     z, pos, energies, forces, counts = [], [], [], [], []
-    cells, pbcs, stresses, wheres = [], [], [], []
-    missing_forces: str | None = None
+    cells, pbcs, stresses = [], [], []
     for path in files:
         frames = read_frames(path)
         check_energy_key(frames, energy_key, path)
@@ -257,26 +277,19 @@ def import_ase(
             z.append(numbers)
             pos.append(positions)
             energies.append(frame_energy(atoms, energy_key, where))
-            frame = frame_forces(atoms, forces_key, where)
-            if frame is None:
-                missing_forces = missing_forces or where
-            forces.append(frame)
+            forces.append(frame_forces(atoms, forces_key, where))
             cell, pbc = frame_cell(atoms, where)
             cells.append(cell)
             pbcs.append(pbc)
             stresses.append(frame_stress(atoms, where) if pbc.any() else None)
-            wheres.append(where)
-    with_forces = missing_forces is None
-    if not with_forces and any(f is not None for f in forces):
-        raise StoreError(f"{missing_forces}: no forces {forces_key!r}, but other frames have them")
-    periodic = periodic_arrays(cells, pbcs, stresses, wheres)
+    labels = {**forces_arrays(forces, z), **periodic_arrays(cells, pbcs, stresses)}
     log.info(
-        "read %d frames from %d file(s), forces: %s, periodic: %d, stress: %s",
+        "read %d frames from %d file(s): %d with forces, %d periodic, %d with stress",
         len(z),
         len(files),
-        with_forces,
+        sum(f is not None for f in forces),
         int(sum(p.any() for p in pbcs)),
-        "stress" in periodic,
+        sum(s is not None for s in stresses),
     )
     return write_store(
         out,
@@ -285,9 +298,8 @@ def import_ase(
         targets={"energy": np.asarray(energies)},
         units={"energy": ENERGY_UNIT},
         descriptions={"energy": f"ASE {energy_key!r}"},
-        forces=forces if with_forces else None,
         forces_unit=FORCES_UNIT,
-        **periodic,
+        **labels,
         attrs={
             "source": "ase",
             "files": [str(f) for f in files],

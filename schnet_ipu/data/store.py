@@ -1,4 +1,4 @@
-"""The HDF5 molecule store (schema version 1): one file per dataset, written once, read often.
+"""The HDF5 molecule store (schema version 2): one file per dataset, written once, read often.
 
 Layout (M molecules, A atoms in total)::
 
@@ -12,11 +12,20 @@ Layout (M molecules, A atoms in total)::
     /pbc       bool    [M, 3]  with /cell: periodic along each cell vector
     /stress    float64 [M, 3, 3] optional, with /cell: ASE's stress (sign and convention);
                                attrs: unit (eV/Angstrom^3)
+    /forces_mask bool  [M]     optional, with /forces: frame m carries forces (version 2)
+    /stress_mask bool  [M]     optional, with /stress: frame m carries stress (version 2)
     /targets/<name>  float64 [M]    attrs: unit, description
     /atomrefs/<name> float64 [119]  optional per-element reference in the target's unit
 
 Root attributes: schema, schema_version, source, source_version, synthetic, num_molecules,
 num_atoms, created (ISO time), plus anything an importer adds.
+
+Partial labels (version 2): a store where only some frames carry forces or stress holds
+zeros for the others and a per-frame mask saying which do. Without a mask every frame
+carries the forces of ``/forces``, and every frame with pbc the stress of ``/stress`` (the
+version-1 meaning). A store with a mask is written as version 2, one without as version 1,
+so that code older than the masks opens every store it can read right and refuses the
+others (it would take their zeros for labels); this code reads both.
 
 Reads are lazy and per process: :class:`MoleculeStore` keeps only small metadata until the
 first molecule is read, opens the file then, and re-opens it after a fork. A cache miss reads
@@ -48,7 +57,8 @@ from schnet_ipu.errors import UserError
 log = logging.getLogger(__name__)
 
 SCHEMA = "schnet-ipu-molecule-store"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # the newest version this code writes: version 1 + forces/stress masks
+READABLE_VERSIONS = (1, 2)
 
 # Index = atomic number; "" at 0 so that ELEMENTS[z] is the symbol of z.
 _SYMBOLS = (
@@ -93,6 +103,8 @@ def write_store(
     pbc: Sequence[Any] | np.ndarray | None = None,
     stress: Sequence[Any] | np.ndarray | None = None,
     stress_unit: str = "",
+    forces_mask: Sequence[bool] | np.ndarray | None = None,
+    stress_mask: Sequence[bool] | np.ndarray | None = None,
     origin: str | None = None,
     skip_invalid: bool = False,
 ) -> Path:
@@ -104,7 +116,9 @@ def write_store(
     0..M-1. ``forces`` (optional) are per-atom like ``pos`` ([A, 3], or per-molecule
     [n_i, 3]) in ``forces_unit``. ``cell`` [M, 3, 3] (rows are the lattice vectors; zeros
     for a molecule) and ``pbc`` bool [M, 3] make a periodic store; ``stress`` [M, 3, 3] (needs
-    them) is in ``stress_unit``. ``origin`` names the source files in error messages.
+    them) is in ``stress_unit``. ``forces_mask`` / ``stress_mask`` bool [M] (optional, with
+    forces / stress): which frames carry them, the others holding zeros (partial labels;
+    the store is then version 2). ``origin`` names the source files in error messages.
     Nothing is written when any check fails; with ``skip_invalid`` the bad records are
     dropped instead, listed in a warning and in the ``skipped_records`` attribute (their ids).
     """
@@ -140,6 +154,11 @@ def write_store(
         raise StoreError(f"{where}: forces {forces_arr.shape} do not match pos {pos_arr.shape}")
     target_arrays = _check_targets(targets, units, num_molecules, where)
     periodic = _periodic_arrays(cell, pbc, stress, num_molecules, where)
+    masks = _label_masks(
+        {"forces": (forces_mask, forces_arr), "stress": (stress_mask, periodic[2])},
+        num_molecules,
+        where,
+    )
     bad = invalid_records(z_num, pos_arr, offsets, target_arrays, labels, forces_arr)
     for m, reason in invalid_cells(*periodic).items():
         bad.setdefault(m, reason)
@@ -160,6 +179,7 @@ def write_store(
         forces_arr = None if forces_arr is None else forces_arr[atoms]
         target_arrays = {name: values[keep] for name, values in target_arrays.items()}
         periodic = tuple(None if values is None else values[keep] for values in periodic)
+        masks = {name: mask[keep] for name, mask in masks.items()}
         attrs = {**(attrs or {}), "skipped_records": ids[sorted(bad)]}
         ids = ids[keep]
         offsets = np.concatenate([[0], np.cumsum(np.diff(offsets)[keep])])
@@ -187,6 +207,8 @@ def write_store(
                 _dataset(f, "pbc", pbcs, (MOLECULE_CHUNK, 3))
             if stresses is not None:
                 _dataset(f, "stress", stresses, (MOLECULE_CHUNK, 3, 3)).attrs["unit"] = stress_unit
+            for name, mask in masks.items():
+                _dataset(f, f"{name}_mask", mask, (MOLECULE_CHUNK,))
             f.create_group("targets", track_order=True)
             for name, values in target_arrays.items():
                 ds = _dataset(f, f"targets/{name}", values, (MOLECULE_CHUNK,))
@@ -196,7 +218,7 @@ def write_store(
                 f.create_dataset(f"atomrefs/{name}", data=ref)
             f.attrs.update(
                 {
-                    **root_attributes(attrs or {}, num_molecules, int(offsets[-1])),
+                    **root_attributes(attrs or {}, num_molecules, int(offsets[-1]), bool(masks)),
                     "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                 }
             )
@@ -224,6 +246,24 @@ def _periodic_arrays(
         if values is not None and values.shape != (num_molecules, *shape):
             raise StoreError(f"{where}: {name} has shape {values.shape}, not [M, {shape}]")
     return cell, pbc, stress
+
+
+def _label_masks(
+    given: Mapping[str, tuple[Any, np.ndarray | None]], num_molecules: int, where: str
+) -> dict[str, np.ndarray]:
+    """label name -> bool [M] mask, for each mask given (``given[name]``: the mask or None,
+    and the labels it masks); StoreError for a mask without its labels or of a wrong shape."""
+    masks = {}
+    for name, (mask, labels) in given.items():
+        if mask is None:
+            continue
+        if labels is None:
+            raise StoreError(f"{where}: a {name} mask needs {name}")
+        mask = np.asarray(mask, dtype=bool)
+        if mask.shape != (num_molecules,):
+            raise StoreError(f"{where}: {name}_mask has shape {mask.shape}, not [M]")
+        masks[name] = mask
+    return masks
 
 
 def invalid_cells(
@@ -262,16 +302,19 @@ def invalid_stress(stress: np.ndarray | None) -> dict[int, str]:
     }
 
 
-def root_attributes(attrs: Mapping[str, Any], molecules: int, atoms: int) -> dict[str, Any]:
-    """A store's root attributes: defaults, the importer's ``attrs``, then the schema and the
-    counts (which ``attrs`` cannot override)."""
+def root_attributes(
+    attrs: Mapping[str, Any], molecules: int, atoms: int, label_masks: bool = False
+) -> dict[str, Any]:
+    """A store's root attributes: defaults, the importer's ``attrs``, then the schema, its
+    version (2 with label masks, else 1: see the module docstring) and the counts (which
+    ``attrs`` cannot override)."""
     return {
         "source": "unknown",
         "source_version": "",
         "synthetic": False,
         **attrs,
         "schema": SCHEMA,
-        "schema_version": SCHEMA_VERSION,
+        "schema_version": SCHEMA_VERSION if label_masks else READABLE_VERSIONS[0],
         "num_molecules": molecules,
         "num_atoms": atoms,
     }
@@ -414,11 +457,11 @@ class MoleculeStore:
                         f"{self.path}: not a schnet-ipu molecule store (schema attribute "
                         f"{attrs.get('schema')!r}, expected {SCHEMA!r})"
                     )
-                if attrs.get("schema_version") != SCHEMA_VERSION:
+                if attrs.get("schema_version") not in READABLE_VERSIONS:
                     raise StoreError(
                         f"{self.path}: written with store schema version "
-                        f"{attrs.get('schema_version')}, this code reads version "
-                        f"{SCHEMA_VERSION}; re-import the data"
+                        f"{attrs.get('schema_version')}, this code reads versions "
+                        f"{' and '.join(map(str, READABLE_VERSIONS))}; re-import the data"
                     )
                 if attrs.get("complete", True) is False:
                     raise StoreError(
@@ -432,6 +475,11 @@ class MoleculeStore:
                 self.forces_unit = str(_plain(f["forces"].attrs["unit"])) if "forces" in f else None
                 self.periodic = "cell" in f
                 self.stress_unit = str(_plain(f["stress"].attrs["unit"])) if "stress" in f else None
+                self._masks = {
+                    name: f[f"{name}_mask"][:]
+                    for name in ("forces", "stress")
+                    if f"{name}_mask" in f
+                }
                 shapes = (f["z"].shape, f["pos"].shape)
         except StoreError:
             raise
@@ -446,6 +494,8 @@ class MoleculeStore:
             or attrs.get("num_molecules") != num_molecules
         ):
             raise StoreError(f"{self.path}: inconsistent store (offsets, z, pos, ids disagree)")
+        if any(mask.shape != (num_molecules,) for mask in self._masks.values()):
+            raise StoreError(f"{self.path}: inconsistent store (a label mask is not [M])")
         self.attrs: dict[str, Any] = attrs
         self.num_atoms: np.ndarray = np.diff(self.offsets)
         if self.offsets[0] != 0 or np.any(self.num_atoms <= 0):
@@ -543,6 +593,26 @@ class MoleculeStore:
     @property
     def has_stress(self) -> bool:
         return self.stress_unit is not None
+
+    @property
+    def partial_labels(self) -> tuple[str, ...]:
+        """The labels ("forces", "stress") only some frames carry (those with a mask)."""
+        return tuple(self._masks)
+
+    def forces_mask(self) -> np.ndarray:
+        """bool [M]: which frames carry forces (all, or none for a store without them)."""
+        if "forces" in self._masks:
+            return self._masks["forces"]
+        return np.full(len(self), self.has_forces)
+
+    def stress_mask(self) -> np.ndarray:
+        """bool [M]: which frames carry stress; without a mask, every frame with pbc when
+        the store holds stress (molecules hold zeros), else none."""
+        if "stress" in self._masks:
+            return self._masks["stress"]
+        if not self.has_stress:
+            return np.zeros(len(self), dtype=bool)
+        return self.cells()[1].any(axis=1)
 
     def cells(self) -> tuple[np.ndarray, np.ndarray]:
         """Every frame's (cell float64 [M, 3, 3], rows the lattice vectors in Angstrom, and
