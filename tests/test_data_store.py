@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from schnet_ipu.data import MoleculeStore, StoreError, import_qm9, write_store
-from schnet_ipu.data.store import SCHEMA_VERSION
 
 
 def small_molecules(rng: np.random.Generator, count: int = 5):
@@ -57,7 +56,7 @@ def test_round_trip(tmp_path):
         assert mz.dtype == np.uint8 and mpos.dtype == np.float32
         np.testing.assert_array_equal(mz, z[i])
         np.testing.assert_allclose(mpos, pos[i], rtol=1e-6, atol=1e-6)
-    assert store.attrs["schema_version"] == SCHEMA_VERSION
+    assert store.attrs["schema_version"] == 1  # version 2 only with partial-label masks
     assert store.attrs["source"] == "test" and store.attrs["synthetic"] is False
     assert store.attrs["num_atoms"] == sum(len(m) for m in z)
     assert [p.name for p in tmp_path.iterdir()] == ["s.h5"]  # no temp file left behind
@@ -139,11 +138,11 @@ def test_foreign_and_other_version(tmp_path, qm9_store):
         f["x"] = np.arange(3)
     with pytest.raises(StoreError, match=r"foreign\.h5: not a schnet-ipu molecule store"):
         MoleculeStore(foreign)
-    other = tmp_path / "v2.h5"
+    other = tmp_path / "v3.h5"
     other.write_bytes(qm9_store.read_bytes())
     with h5py.File(other, "r+") as f:
-        f.attrs["schema_version"] = 2
-    with pytest.raises(StoreError, match=r"v2\.h5: written with store schema version 2"):
+        f.attrs["schema_version"] = 3
+    with pytest.raises(StoreError, match=r"v3\.h5: written with store schema version 3"):
         MoleculeStore(other)
 
 
