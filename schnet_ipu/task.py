@@ -248,14 +248,14 @@ def make_task(cfg: Config, data: PreparedData) -> EnergyTask | EnergyForceTask:
                 raise ConfigError(f"optim.{key} > 0, but {data.store.path} holds no forces")
         return EnergyTask(transform)
     train = data.split["train"]
-    with_forces = train[data.store.forces_mask()[train]]
-    _check_labelled(cfg.optim.forces_weight, "forces", with_forces, data)
-    scale = force_rms(data.store, with_forces)  # forces are scored even at weight 0
+    forces_frames = train[data.store.forces_mask()[train]]
+    _check_labelled(cfg.optim.forces_weight, "forces", forces_frames, data)
+    scale = force_rms(data.store, forces_frames)  # forces are scored even at weight 0
     stress_scale = None
     if data.store.has_stress:
-        with_stress = train[data.store.stress_mask()[train]]
-        _check_labelled(cfg.optim.stress_weight, "stress", with_stress, data)
-        stress = data.store.stress()[with_stress]
+        stress_frames = train[data.store.stress_mask()[train]]
+        _check_labelled(cfg.optim.stress_weight, "stress", stress_frames, data)
+        stress = data.store.stress()[stress_frames]
         stress_scale = float(np.sqrt(np.mean(stress**2))) if len(stress) else 0.0
         stress_scale = stress_scale or 1.0  # no training frame with stress, or all zero
     return EnergyForceTask(

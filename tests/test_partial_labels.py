@@ -21,7 +21,8 @@ from test_periodic_training import bulk_config
 from schnet_ipu.batch import stack_batches
 from schnet_ipu.config import ConfigError
 from schnet_ipu.data import MoleculeStore, import_ase
-from schnet_ipu.evaluation import HostModel, evaluate_run
+from schnet_ipu.evaluation import HostModel, evaluate_run, predict_run
+from schnet_ipu.inference import predict_file
 from schnet_ipu.loader import PackedLoader
 from schnet_ipu.model import SchNet
 from schnet_ipu.pipeline import prepare_data
@@ -205,6 +206,9 @@ def test_training_and_evaluation_say_how_many_frames_each_metric_covered(mixed_f
     assert record["val_force_frames"] == data.store.forces_mask()[data.split["val"]].sum()
     evaluated = evaluate_run(run, "test")
     assert (evaluated["force_frames"], evaluated["stress_frames"]) == (forces, stress)
+    assert predict_run(run, "test", tmp_path / "test.csv") == len(test)
+    frames = len(ase.io.read(mixed_file, index=":"))
+    assert predict_file([run], mixed_file, tmp_path / "predicted.extxyz") == frames
     # the training split's labelled frames alone set the scales
     task = make_task(cfg, data)
     train_split = data.split["train"]
