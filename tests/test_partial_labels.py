@@ -22,6 +22,7 @@ from schnet_ipu.batch import stack_batches
 from schnet_ipu.config import ConfigError
 from schnet_ipu.data import MoleculeStore, import_ase
 from schnet_ipu.evaluation import HostModel, evaluate_run, predict_run
+from schnet_ipu.forces import force_rms
 from schnet_ipu.inference import predict_file
 from schnet_ipu.loader import PackedLoader
 from schnet_ipu.model import SchNet
@@ -215,6 +216,11 @@ def test_training_and_evaluation_say_how_many_frames_each_metric_covered(mixed_f
     labelled = train_split[data.store.stress_mask()[train_split]]
     scale = np.sqrt(np.mean(data.store.stress()[labelled] ** 2))
     assert task.stress_scale == pytest.approx(scale)
+    store, labelled = data.store, train_split[data.store.forces_mask()[train_split]]
+    atoms = np.concatenate([np.arange(store.offsets[m], store.offsets[m + 1]) for m in labelled])
+    scale = np.sqrt(np.mean(store.forces()[atoms].astype(np.float64) ** 2))
+    assert task.force_scale == pytest.approx(scale)
+    assert task.force_scale != pytest.approx(force_rms(store, train_split))  # zeros left out
     data.split["train"] = train_split[~data.store.stress_mask()[train_split]]
     with pytest.raises(ConfigError, match=r"no frame of the training split .* carries stress"):
         make_task(cfg, data)
