@@ -197,13 +197,15 @@ def table_conv(
     pair-symmetric storage (edges E'.. E-1 are edges 0.. E'-1 reversed and share their
     filter). Returns [N, F]. Differentiable in x, dist, values and slopes.
 
-    On CPU tensors with numba, outside ``torch.compile``: one compiled loop per pass
-    (:mod:`.fused_table`, twice differentiable). Otherwise plain torch ops: the interpolated
+    On CPU tensors with numba: one compiled loop per pass (:mod:`.fused_table`, twice
+    differentiable; custom operators that ``torch.compile`` calls as they are on torch >= 2.4,
+    so on older torch only outside ``torch.compile``). Otherwise plain torch ops: the interpolated
     filter [E', F], then :func:`pair_symmetric_conv` or gather-multiply-scatter; these are
     the reference other flavours' kernels are tested against, and on CUDA they run as they
     are (a fused GPU kernel is another flavour's).
     """
-    if fused_table.AVAILABLE and x.device.type == "cpu" and not _is_compiling():
+    fused_here = fused_table.CUSTOM_OPS or not _is_compiling()
+    if fused_table.AVAILABLE and x.device.type == "cpu" and fused_here:
         index, t = grid_position(dist, values.shape[0], cutoff)
         coeffs = hermite_coefficients(values, slopes, cutoff)
         return fused_table.fused_table_conv(x, edge_index, coeffs, index, t, edge_mask)
