@@ -18,14 +18,7 @@ from torch import Tensor
 from schnet_ipu.model.filter_table import grid_position, hermite_coefficients, hermite_filter
 from schnet_ipu.model.ops import fused_table
 from schnet_ipu.model.ops.common import LOG2, cell_offsets, edge_distance
-
-# torch.compiler.is_compiling appeared in torch 2.1; torch 2.0 (the Poplar SDK's) has the
-# torch._dynamo one.
-_is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
-if _is_compiling is None:
-    import torch._dynamo
-
-    _is_compiling = torch._dynamo.is_compiling
+from schnet_ipu.model.ops.common import is_compiling as _is_compiling
 
 
 class _ShiftedSoftplus(torch.autograd.Function):
