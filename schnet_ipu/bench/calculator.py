@@ -190,12 +190,12 @@ def run(quick: bool, store: str | Path) -> dict:
             for dtype in ("float32", "float64"):
                 calls[f"calculator {dtype}"] = calculator_call(calcs[model, dtype])
                 calls[f"exported {dtype}"] = export_call(modules[model, dtype], atoms)
-            rounds = max(3, min(40, 20000 // len(atoms))) if not quick else 3
+            rounds = max(3, min(20, 2000 // len(atoms))) if not quick else 3
             latency = interleaved_latency(calls, atoms, rounds)
             load = os.getloadavg()[0]
             for name, ms in latency.items():
                 dtype = name.split()[-1]
-                steps = max(3, 3000 // len(atoms)) if not quick else 2
+                steps = max(2, 600 // len(atoms)) if not quick else 2
                 md = md_rate(calcs[model, dtype], atoms, steps) if "calculator" in name else None
                 results.append(
                     {
