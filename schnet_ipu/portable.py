@@ -1,30 +1,50 @@
 """A trained SchNet on one structure of any size, in plain TorchScript-able torch ops.
 
     module = PortableSchNet.from_trained(load_trained("runs/emt/checkpoints/best.pt"))
-    energy, forces = module(z, pos)   # z int64 [N], pos float [N, 3] -> [] float64, [N, 3]
+    energy, forces = module(z, pos)                       # a molecule
+    energy, forces, stress = module(z, pos, cell, pbc)    # a periodic (or partly) cell
+    energy, forces, virial = module.forward_edges(z, pos, edge_index, offsets, full_list)
 
-This is the model the ASE calculator, ``predict --input`` and ``train.py export`` run. It
-is the trained model's arithmetic (same parameter names, the checkpoint's state dict loads
-as it is) with the packing taken away: one structure, its own neighbour search (every pair
-within the cutoff, or the k nearest within it for knn models, from the [N, N] distance
-matrix: fine up to some thousands of atoms), no padding. It needs nothing of
+This is the model the ASE calculator, ``predict`` and ``train.py export`` run: the trained
+model's arithmetic and parameter names with the packing taken away. One structure, no
+padding, an O(N) neighbour search of its own in torch ops (:mod:`schnet_ipu.cell_list`:
+any pbc, triclinic cells, cells thinner than the cutoff), or the caller's edges
+(``forward_edges``, for engines with their own neighbour lists). It needs nothing of
 ``schnet_ipu`` at run time, so ``torch.jit.script`` turns it into a file any torch program
-loads. The filter network is evaluated exactly (``model.filter=exact``) whatever the run
-trained with; a tabulated filter agrees with it within its interpolation error.
+loads.
 
-Energies are the model's target plus the task's atom references (in float64, so a QM9
-total energy keeps its meV); forces are ``-dE/dpos`` by autograd, in ``pos``'s dtype.
-Elements the model never saw raise, by number.
+Shapes and units (inputs float32 or float64, whatever the module's own precision):
+z int [N]; pos [N, 3] Angstrom; cell [3, 3] (rows the lattice vectors); pbc bool [3]
+(default all True with a cell) -> energy float64 [] (the model's unit, atom references
+included, summed in float64), forces [N, 3] = -dE/dpos and stress [3, 3] = (1/V) dE/deps
+(ASE's sign and unit, eV/Angstrom^3; 0 for a zero-volume cell), both in pos's dtype.
+``forward_edges`` takes edges i <- j as ``edge_index`` [2, E] (rows i, j) with Cartesian
+``offsets`` [E, 3], the edge vector being ``pos[j] - pos[i] + offsets``: every pair once
+(``full_list=False``) or both ways (True, LAMMPS's full list); it returns the virial
+W = -dE/deps [3, 3] in the energy unit (``stress = -W / V``) instead of the stress.
+
+Derivatives come from one backward pass over the edge vectors r_e: forces are the sums of
+dE/dr_e at both ends, and dE/deps = sum_e r_e (x) dE/dr_e (a strain moves every edge
+vector alike, images included).
+
+Filters: a model trained with ``model.filter=table`` reads its cubic Hermite table (the
+cubic coefficients [K - 1, 4, F] per block, computed once at build time in float64 from the
+filter network: :mod:`schnet_ipu.model.filter_table`); one trained with ``exact`` runs its
+filter network per pair. In Python with numba (``fused=True``), the table convolution is
+the compiled loop of :mod:`schnet_ipu.model.ops.fused_table`; the exported file reads the
+table in torch ops (same values). Elements the model never saw raise, by number.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, List, Tuple  # typing's forms: TorchScript on Python 3.8
+from typing import TYPE_CHECKING, List, Optional, Tuple  # typing's forms: TorchScript, 3.8
 
 import torch
 from torch import Tensor, nn
 from torch.nn import Embedding, Linear
+
+from schnet_ipu.cell_list import neighbour_pairs
 
 if TYPE_CHECKING:
     from schnet_ipu.model_file import TrainedModel
@@ -55,27 +75,29 @@ class DistanceExpansion(nn.Module):
 
 
 class Convolution(nn.Module):
-    """``lin2(sum_j lin1(h)_j * W_ji)`` over the edges j -> i."""
+    """``lin1`` and ``lin2`` of ``lin2(sum_j lin1(h)_j * W_ji)`` (the trained names)."""
 
     def __init__(self, hidden: int, filters: int) -> None:
         super().__init__()
         self.lin1 = Linear(hidden, filters, bias=False)
         self.lin2 = Linear(filters, hidden)
 
-    def forward(
-        self, h: Tensor, source: Tensor, receiver: Tensor, filt: Tensor, symmetric: bool
-    ) -> Tensor:
-        """``symmetric``: each (source, receiver) is an unordered pair whose filter [P, F]
-        also carries the message the other way (half the filter work of directed edges)."""
-        x = self.lin1(h)
-        summed = x.new_zeros(x.shape).index_add(0, receiver, x.index_select(0, source) * filt)
-        if symmetric:
-            summed = summed.index_add(0, source, x.index_select(0, receiver) * filt)
-        return self.lin2(summed)
+
+def message_sum(
+    x: Tensor, source: Tensor, receiver: Tensor, filt: Tensor, symmetric: bool
+) -> Tensor:
+    """``sum over edges j -> i of x[j] * filt[e]`` [N, F]; ``symmetric``: each (source,
+    receiver) is an unordered pair whose filter [P, F] also carries the message back."""
+    summed = torch.zeros_like(x).index_add_(0, receiver, x.index_select(0, source) * filt)
+    if symmetric:
+        summed.index_add_(0, source, x.index_select(0, receiver) * filt)
+    return summed
 
 
 class Interaction(nn.Module):
-    """One interaction block: filter network ``mlp``, convolution, softplus, ``lin``."""
+    """One interaction block: filter network ``mlp`` (or its table), convolution, softplus,
+    ``lin``. ``coefficients`` [K - 1, 4, F]: the tabulated filter's cubics, [0, 4, F] for
+    the exact filter."""
 
     def __init__(self, hidden: int, gaussians: int, filters: int) -> None:
         super().__init__()
@@ -85,6 +107,7 @@ class Interaction(nn.Module):
         self.conv = Convolution(hidden, filters)
         self.act = ShiftedSoftplus()
         self.lin = Linear(hidden, hidden)
+        self.register_buffer("coefficients", torch.zeros(0, 4, filters), persistent=False)
 
     def forward(
         self,
@@ -93,23 +116,75 @@ class Interaction(nn.Module):
         receiver: Tensor,
         rbf: Tensor,
         cut: Tensor,
+        interval: Tensor,
+        t: Tensor,
         symmetric: bool,
     ) -> Tensor:
-        filt = self.mlp(rbf) * cut.unsqueeze(-1)
-        return self.lin(self.act(self.conv(h, source, receiver, filt, symmetric)))
+        """h [N, H] -> update [N, H] over P edges (source, receiver [P]); the exact filter
+        reads rbf [P, G] and cut [P], the table the interval [P] and position t [P]."""
+        x = self.conv.lin1(h)
+        if self.coefficients.shape[0] == 0:
+            filt = self.mlp(rbf) * cut.unsqueeze(-1)
+            summed = message_sum(x, source, receiver, filt, symmetric)
+        else:
+            summed = self.table_sum(x, source, receiver, interval, t, symmetric)
+        return self.lin(self.act(self.conv.lin2(summed)))
+
+    def table_sum(
+        self,
+        x: Tensor,
+        source: Tensor,
+        receiver: Tensor,
+        interval: Tensor,
+        t: Tensor,
+        symmetric: bool,
+    ) -> Tensor:
+        """:func:`message_sum` with each edge's filter read from the table (torch ops)."""
+        intervals, _, filters = self.coefficients.shape
+        rows = self.coefficients.view(intervals, 4 * filters).index_select(0, interval)
+        c0, c1, c2, c3 = rows.view(-1, 4, filters).unbind(1)
+        s = t.unsqueeze(-1)
+        filt = ((c3 * s + c2) * s + c1) * s + c0
+        return message_sum(x, source, receiver, filt, symmetric)
+
+
+class FusedTableInteraction(Interaction):
+    """The block with its table convolution as numba's compiled loop
+    (:mod:`schnet_ipu.model.ops.fused_table`): Python only, never in an exported file."""
+
+    def table_sum(
+        self,
+        x: Tensor,
+        source: Tensor,
+        receiver: Tensor,
+        interval: Tensor,
+        t: Tensor,
+        symmetric: bool,
+    ) -> Tensor:
+        from schnet_ipu.model.ops.fused_table import fused_table_conv
+
+        if symmetric:  # the loop's pair-symmetric layout: edges P.. 2P-1 reverse 0.. P-1
+            edge_index = torch.stack([torch.cat([source, receiver]), torch.cat([receiver, source])])
+        else:
+            edge_index = torch.stack([source, receiver])
+        mask = torch.ones(interval.shape[0], dtype=torch.bool)
+        return fused_table_conv(x, edge_index, self.coefficients, interval, t, mask)
 
 
 class PortableSchNet(nn.Module):
-    """``energy, forces = module(z, pos)`` for one structure (see the module docstring).
+    """See the module docstring. Build with :meth:`from_trained` (weights, table, dtype).
 
     Args:
         hidden_channels, num_filters, num_interactions, num_gaussians, cutoff: as trained.
-        k: neighbours per atom for a knn model, 0 for a radius model.
+        k: neighbours per atom for a knn model (molecules only), 0 for a radius model.
         mean_readout: True when the model averages over atoms instead of summing.
         mean, std: per-atom output = h * std + mean.
         atom_reference: [119] per-element energies added to the prediction (float64).
         elements: atomic numbers the model saw in training (anything else raises).
         unit: the energy unit (forces: unit per Angstrom).
+        filter_points: K of a tabulated filter, 0 for the exact filter.
+        fused: blocks with numba's table loop (:class:`FusedTableInteraction`; not
+            scriptable: for Python callers, never for export).
     """
 
     def __init__(
@@ -126,6 +201,8 @@ class PortableSchNet(nn.Module):
         atom_reference: List[float],
         elements: List[int],
         unit: str,
+        filter_points: int = 0,
+        fused: bool = False,
     ) -> None:
         super().__init__()
         self.cutoff = cutoff
@@ -133,18 +210,21 @@ class PortableSchNet(nn.Module):
         self.mean_readout = mean_readout
         self.mean = mean
         self.std = std
-        self.atom_reference = atom_reference
+        # float64 [119] (set again after any dtype change: see from_trained); TorchScript's
+        # torch.tensor(list of floats) rounds through float32, so it is built here
+        self.register_buffer(
+            "atom_reference", torch.tensor(atom_reference, dtype=torch.float64), persistent=False
+        )
         self.unit = unit
+        self.filter_points = filter_points
         known = torch.zeros(NUM_ELEMENTS + 19, dtype=torch.bool)  # indexed by z up to 118
         known[torch.tensor(elements, dtype=torch.long)] = True
         self.register_buffer("known", known, persistent=False)
         self.embedding = Embedding(NUM_ELEMENTS, hidden_channels, padding_idx=0)
         self.distance_expansion = DistanceExpansion(cutoff, num_gaussians)
+        block = FusedTableInteraction if fused else Interaction
         self.interactions = nn.ModuleList(
-            [
-                Interaction(hidden_channels, num_gaussians, num_filters)
-                for _ in range(num_interactions)
-            ]
+            [block(hidden_channels, num_gaussians, num_filters) for _ in range(num_interactions)]
         )
         self.lin1 = Linear(hidden_channels, hidden_channels // 2)
         self.act = ShiftedSoftplus()
@@ -152,9 +232,17 @@ class PortableSchNet(nn.Module):
         self.atomref = Embedding(NUM_ELEMENTS, 1)
 
     @classmethod
-    def from_trained(cls, trained: TrainedModel) -> PortableSchNet:
-        """The portable twin of a loaded checkpoint (its weights, float32, eval mode)."""
+    def from_trained(
+        cls, trained: TrainedModel, dtype: torch.dtype = torch.float32, fused: bool = False
+    ) -> PortableSchNet:
+        """The portable twin of a loaded checkpoint in ``dtype`` (eval mode): its weights,
+        and for a tabulated filter the table computed in float64. ``fused``: the table
+        convolution as numba's loop when numba is importable (not for export)."""
+        from schnet_ipu.model.filter_table import filter_table, hermite_coefficients
+        from schnet_ipu.model.ops import fused_table
+
         spec, arch = trained.spec, trained.spec.model
+        points = int(arch["filter_points"]) if arch.get("filter") == "table" else 0
         module = cls(
             hidden_channels=arch["hidden_channels"],
             num_filters=arch["num_filters"],
@@ -165,33 +253,43 @@ class PortableSchNet(nn.Module):
             mean_readout=arch["readout"] == "mean",
             mean=spec.mean,
             std=spec.std,
-            atom_reference=list(spec.transform.atom_reference),
+            atom_reference=[float(v) for v in spec.transform.atom_reference],
             elements=list(spec.elements),
             unit=spec.unit,
+            filter_points=points,
+            fused=bool(fused and points and fused_table.AVAILABLE),
         )
         state = trained.model.state_dict()
         # conv.nn is the block's mlp again; initial_atomref only seeds training
         kept = {k: v for k, v in state.items() if ".conv.nn." not in k and k != "initial_atomref"}
         module.load_state_dict(kept)
-        return module.eval()
+        module = module.double()
+        if points:
+            expansion = module.distance_expansion
+            with torch.no_grad():
+                for block in module.interactions:
+                    values, slopes = filter_table(
+                        block.mlp, expansion.offset, expansion.coeff, module.cutoff, points
+                    )
+                    block.coefficients = hermite_coefficients(values, slopes, module.cutoff)
+        module = module.to(dtype).eval()
+        reference = torch.tensor(spec.transform.atom_reference, dtype=torch.float64)
+        module.atom_reference = reference  # .to(dtype) rounded it: float64 again
+        return module
 
-    def neighbours(self, pos: Tensor) -> Tuple[Tensor, Tensor]:
-        """(source j, receiver i) [E] of every edge, never an atom with itself: for a radius
-        model each unordered pair within the cutoff once (j < i; messages go both ways), for
-        a knn model the k nearest within the cutoff of every atom."""
+    def knn_pairs(self, pos: Tensor) -> Tuple[Tensor, Tensor]:
+        """(receiver i, source j) [N k'] of a knn model: the k nearest within the cutoff of
+        every atom, from the [N, N] distance matrix (molecules of up to some thousand atoms)."""
         n = pos.shape[0]
         sq = (pos.unsqueeze(1) - pos.unsqueeze(0)).square().sum(-1)  # [N, N], [i, j]
         allowed = (sq <= self.cutoff * self.cutoff) & ~torch.eye(
             n, dtype=torch.bool, device=pos.device
         )
-        if self.k == 0:
-            pairs = torch.triu(allowed, diagonal=1).nonzero()  # i < j
-            return pairs[:, 1], pairs[:, 0]
         found = min(self.k, n - 1)
         best, source = torch.topk(sq.masked_fill(~allowed, math.inf), found, dim=1, largest=False)
         receiver = torch.arange(n, device=pos.device).unsqueeze(1).expand(n, found)
         real = torch.isfinite(best)
-        return source[real], receiver[real]
+        return receiver[real], source[real]
 
     def check(self, z: Tensor, pos: Tensor) -> None:
         if z.dim() != 1 or pos.dim() != 2 or pos.shape[1] != 3 or pos.shape[0] != z.shape[0]:
@@ -206,25 +304,93 @@ class PortableSchNet(nn.Module):
         if not bool(torch.isfinite(pos).all()):
             raise ValueError("positions must be finite (NaN or inf found)")
 
-    def forward(self, z: Tensor, pos: Tensor) -> Tuple[Tensor, Tensor]:
-        """z int64 [N], pos [N, 3] in Angstrom -> energy [] float64, forces [N, 3]."""
+    def forward(
+        self, z: Tensor, pos: Tensor, cell: Optional[Tensor] = None, pbc: Optional[Tensor] = None
+    ) -> List[Tensor]:
+        """[energy, forces] of a molecule, [energy, forces, stress] with a cell (see the
+        module docstring for shapes and units)."""
+        z = z.long()
         self.check(z, pos)
-        source, receiver = self.neighbours(pos.detach())
-        pos = pos.detach().requires_grad_(True)
-        dist = (pos.index_select(0, source) - pos.index_select(0, receiver)).square().sum(-1).sqrt()
-        rbf = self.distance_expansion(dist)
-        cut = 0.5 * (torch.cos(dist * (math.pi / self.cutoff)) + 1.0)
+        dtype = self.embedding.weight.dtype
+        own = pos.detach().to(dtype)
+        if self.k > 0:
+            if cell is not None and (pbc is None or bool(pbc.any())):
+                raise ValueError("a knn model takes molecules only: give no cell")
+            receiver, source = self.knn_pairs(own)
+            offsets = own.new_zeros((receiver.shape[0], 3))
+            energy, forces, virial = self.evaluate(z, own, receiver, source, offsets, False)
+        else:
+            own_cell = None if cell is None else cell.detach().to(dtype)
+            receiver, source, shift = neighbour_pairs(own, own_cell, pbc, self.cutoff)
+            offsets = shift if own_cell is None else shift @ own_cell
+            energy, forces, virial = self.evaluate(z, own, receiver, source, offsets, True)
+        if cell is None:
+            return [energy, forces.to(pos.dtype)]
+        volume = float(torch.linalg.det(cell.detach().double()).abs())
+        stress = -virial / volume if volume > 0 else torch.zeros_like(virial)
+        return [energy, forces.to(pos.dtype), stress.to(pos.dtype)]
+
+    @torch.jit.export
+    def forward_edges(
+        self, z: Tensor, pos: Tensor, edge_index: Tensor, offsets: Tensor, full_list: bool
+    ) -> List[Tensor]:
+        """[energy, forces, virial] over the caller's edges (see the module docstring)."""
+        z = z.long()
+        self.check(z, pos)
+        if self.k > 0:
+            raise ValueError("a knn model searches its own neighbours: call model(z, pos)")
+        dtype = self.embedding.weight.dtype
+        receiver, source = edge_index[0].long(), edge_index[1].long()
+        own = pos.detach().to(dtype)
+        energy, forces, virial = self.evaluate(
+            z, own, receiver, source, offsets.detach().to(dtype), not full_list
+        )
+        return [energy, forces.to(pos.dtype), virial.to(pos.dtype)]
+
+    def evaluate(
+        self,
+        z: Tensor,
+        pos: Tensor,
+        receiver: Tensor,
+        source: Tensor,
+        offsets: Tensor,
+        symmetric: bool,
+    ) -> Tuple[Tensor, Tensor, Tensor]:
+        """(energy float64 [], forces [N, 3], virial [3, 3]) over P edges: receiver, source
+        [P], offsets [P, 3] (edge vector ``pos[source] - pos[receiver] + offsets``)."""
+        vec = pos.index_select(0, source) - pos.index_select(0, receiver) + offsets
+        vec = vec.detach().requires_grad_(True)  # [P, 3]: the one leaf of the backward
+        energy = self.energy(z, vec, receiver, source, symmetric)
+        grads = torch.autograd.grad([energy], [vec], allow_unused=True)
+        grad = grads[0]
+        if grad is None:  # no pair within the cutoff: the energy is the atoms' own
+            grad = torch.zeros_like(vec)
+        forces = torch.zeros_like(pos).index_add_(0, receiver, grad).index_add_(0, source, -grad)
+        dE_deps = vec.detach().t() @ grad  # sum over edges of r (x) dE/dr
+        virial = -0.5 * (dE_deps + dE_deps.t())
+        reference = self.atom_reference.index_select(0, z).sum()
+        return energy.detach() + reference, forces, virial
+
+    def energy(
+        self, z: Tensor, vec: Tensor, receiver: Tensor, source: Tensor, symmetric: bool
+    ) -> Tensor:
+        """The model's energy float64 [] (no atom references) of edges with vectors vec [P, 3]."""
+        dist = vec.square().sum(-1).sqrt()
+        empty = dist.new_zeros(0)
+        if self.filter_points > 0:
+            scaled = dist * ((self.filter_points - 1) / self.cutoff)
+            interval = torch.clamp(torch.floor(scaled.detach()), 0.0, self.filter_points - 2.0)
+            t = scaled - interval
+            rbf, cut, interval_index = empty, empty, interval.long()
+        else:
+            rbf = self.distance_expansion(dist)
+            cut = 0.5 * (torch.cos(dist * (math.pi / self.cutoff)) + 1.0)
+            interval_index, t = torch.zeros(0, dtype=torch.long), empty
         h = self.embedding(z)
         for interaction in self.interactions:
-            h = h + interaction(h, source, receiver, rbf, cut, self.k == 0)
-        out = self.lin2(self.act(self.lin1(h))).squeeze(-1) * self.std + self.mean
-        out = out + self.atomref(z).squeeze(-1)
-        energy = out.mean() if self.mean_readout else out.sum()
-        grads = torch.autograd.grad([energy], [pos])
-        forces = grads[0]
-        assert forces is not None
-        numbers: List[int] = z.tolist()
-        reference = 0.0  # in Python floats: TorchScript's torch.tensor(list) rounds to float32
-        for number in numbers:
-            reference += self.atom_reference[number]
-        return energy.detach().double() + reference, -forces
+            h = h + interaction(h, source, receiver, rbf, cut, interval_index, t, symmetric)
+        # per-atom outputs summed in float64: the mean and atomref terms, large beside a
+        # float32 model's resolution, never pass through float32 arithmetic
+        out = self.lin2(self.act(self.lin1(h))).squeeze(-1).double() * self.std + self.mean
+        out = out + self.atomref(z).squeeze(-1).double()
+        return out.mean() if self.mean_readout else out.sum()

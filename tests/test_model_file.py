@@ -128,7 +128,7 @@ def test_portable_model_equals_the_packed_model_in_float64(store, graph, readout
     batch = dataclasses.replace(batch, pos=batch.pos.double())
     packed = trained.model.double()
     energy, forces = energy_and_forces(packed, batch, create_graph=False)
-    portable = PortableSchNet.from_trained(trained).double()
+    portable = PortableSchNet.from_trained(trained, torch.float64)
     reference = np.asarray(trained.spec.transform.atom_reference)
     for p, (z, pos) in enumerate(molecules):
         e, f = portable(
@@ -142,7 +142,7 @@ def test_portable_model_equals_the_packed_model_in_float64(store, graph, readout
 
 def test_float64_forces_are_the_energy_derivatives(store):
     trained = random_trained("radius", "sum", 32)
-    predictor_module = PortableSchNet.from_trained(trained).double()
+    predictor_module = PortableSchNet.from_trained(trained, torch.float64)
     z, pos = qm9_molecules(store, 1, first=7)[0]
     z_t, pos64 = torch.as_tensor(z.astype(np.int64)), torch.as_tensor(pos, dtype=torch.float64)
     _, forces = predictor_module(z_t, pos64)

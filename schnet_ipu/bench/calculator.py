@@ -2,27 +2,35 @@
 
     python -m schnet_ipu.bench calculator [--quick] [--json out.json]
 
-The paper's model (``configs/qm9.yaml``'s model section: 100 features, 4 blocks, 25
-Gaussians, 6 A) with random weights is written as a checkpoint file, then used the three
-ways users do: :class:`~schnet_ipu.calculator.SchNetCalculator` (float32 and float64), the
-TorchScript file of ``train.py export`` loaded by ``torch.jit.load`` (float32 and float64),
-and NVE molecular dynamics through ASE (velocity Verlet, 1 fs) on a 20- and a 200-atom
-organic-like structure (H, C, N, O on a jittered grid, 1.1-1.6 A apart). Latency is the
-median of many energy + forces calls on moved positions (no cached results); weights do
-not change the arithmetic, so random ones measure what a trained model costs.
+Two models with random weights, written as checkpoint files, both with the tabulated filter
+(``model.filter=table``): the paper's (``configs/qm9.yaml``: 100 features, 4 blocks, 25
+Gaussians, 6 A) on H/C/N/O molecules of 20 and 200 atoms (a jittered grid, 1.45 A apart),
+and ``configs/emt_bulk.yaml``'s (64 features, 3 blocks, 5 A) on periodic fcc copper cells
+of 20, 200, 1,000 and 10,000 atoms and water boxes (1 g/cm^3) of about 1,000 and 10,000.
+Each is used the ways users do: :class:`~schnet_ipu.calculator.SchNetCalculator` (float32,
+float64) and the TorchScript file of ``train.py export`` (float32, float64; given float64
+positions, as engines pass them), measured in interleaved rounds (one call of each per
+round, so a load change on the shared box hits all four alike); latency is the median
+energy + forces (+ stress for cells) call on moved positions (no cached results). MD steps
+per second: ASE's velocity Verlet (1 fs) through the calculator. Every row carries the
+1-minute load average when it was measured. Weights do not change the arithmetic, so random
+ones measure what a trained model costs.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
 from ase import Atoms
+from ase.build import bulk
 from ase.md.velocitydistribution import MaxwellBoltzmannDistribution
 from ase.md.verlet import VelocityVerlet
 from ase.units import fs
@@ -35,15 +43,20 @@ from schnet_ipu.inference import ONE_THREAD_ATOMS, export_model, intra_op_thread
 from schnet_ipu.model_file import ModelSpec
 from schnet_ipu.task import EnergyTask, TargetTransform
 
-PAPER_CONFIG = Path(__file__).resolve().parents[2] / "configs/qm9.yaml"
-COLUMNS = ["name", "atoms", "dtype", "ms_per_call", "md_steps_per_s", "load_s"]
-PLOT = ("name", "ms_per_call", "ms per energy + forces call")
-ELEMENTS = [1, 6, 7, 8]
+ROOT = Path(__file__).resolve().parents[2]
+PAPER_CONFIG = ROOT / "configs/qm9.yaml"
+METAL_CONFIG = ROOT / "configs/emt_bulk.yaml"
+COLUMNS = ["name", "structure", "atoms", "dtype", "ms_per_call", "md_steps_per_s", "load_avg"]
+PLOT = ("name", "ms_per_call", "ms per energy + forces (+ stress) call")
+MOLECULE_ELEMENTS = [1, 6, 7, 8]
+CELL_ELEMENTS = [1, 8, 29]
+WARM_UP = 3  # rounds left out: TorchScript's profiling executor optimises on the first calls
 
 
-def model_file(folder: Path) -> Path:
-    """The paper model with random weights as a checkpoint file in ``folder``."""
-    arch = dataclasses.replace(load_config(PAPER_CONFIG).model, ops="torch")
+def model_file(folder: Path, config: Path, elements: list[int]) -> Path:
+    """``config``'s model section with the table filter and random weights, as a checkpoint
+    file in ``folder``."""
+    arch = dataclasses.replace(load_config(config).model, ops="torch", filter="table")
     spec = ModelSpec(
         model=dataclasses.asdict(arch),
         max_nodes_per_pack=32,
@@ -54,37 +67,44 @@ def model_file(folder: Path) -> Path:
         forces_unit="eV/Angstrom",
         target="energy",
         pack={"max_nodes": 32, "max_graphs": 4, "max_edges": 1024, "packs_per_batch": 8},
-        elements=ELEMENTS,
+        elements=elements,
     )
     torch.manual_seed(0)
     model = spec.build_model()
-    path = folder / "model.pt"
+    path = folder / f"{config.stem}.pt"
     state = {"model": model.state_dict(), "optimizer": {}, "scheduler": {}, "rng": {}}
     state.update(epoch=0, call=0, best_mae=0.0, config={}, model_spec=spec.to_dict())
     save_checkpoint(path, state)
     return path
 
 
-def structure(atoms: int, seed: int = 0) -> Atoms:
+def molecule(atoms: int, seed: int = 0) -> Atoms:
     """``atoms`` H/C/N/O atoms on a jittered simple-cubic grid of 1.45 A."""
     rng = np.random.default_rng(seed)
     side = int(np.ceil(atoms ** (1 / 3)))
     grid = np.array([(i, j, k) for i in range(side) for j in range(side) for k in range(side)])
     pos = 1.45 * grid[:atoms] + rng.uniform(-0.08, 0.08, (atoms, 3))
-    return Atoms(numbers=rng.choice(ELEMENTS, size=atoms), positions=pos)
+    return Atoms(numbers=rng.choice(MOLECULE_ELEMENTS, size=atoms), positions=pos)
 
 
-def call_latency(call, atoms: Atoms, calls: int) -> float:
-    """Median milliseconds of ``call(z, pos)`` on slightly moved positions."""
-    rng = np.random.default_rng(1)
-    z = atoms.numbers
-    times = []
-    for _ in range(calls):
-        pos = atoms.positions + rng.normal(0, 1e-3, atoms.positions.shape)
-        start = time.perf_counter()
-        call(z, pos)
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times[2:])
+def copper(repeat: tuple[int, int, int]) -> Atoms:
+    """Periodic fcc copper (a = 3.61 A, cubic cells of 4 atoms), rattled by 0.05 A."""
+    atoms = bulk("Cu", "fcc", a=3.61, cubic=True).repeat(repeat)
+    atoms.rattle(0.05, seed=1)
+    return atoms
+
+
+def water_box(side: int, seed: int = 0) -> Atoms:
+    """``side^3`` randomly turned water molecules on a cubic grid at 1 g/cm^3 (3.10 A)."""
+    rng = np.random.default_rng(seed)
+    spacing = 3.104  # (18.015 g/mol / 6.022e23 / 1 g/cm^3)^(1/3)
+    local = np.array([[0.0, 0.0, 0.0], [0.9572, 0.0, 0.0], [-0.2400, 0.9266, 0.0]])
+    positions = []
+    for i, j, k in np.ndindex(side, side, side):
+        turn, _ = np.linalg.qr(rng.normal(size=(3, 3)))
+        positions.extend(spacing * np.array([i, j, k]) + local @ turn.T)
+    numbers = [8, 1, 1] * side**3
+    return Atoms(numbers, positions=positions, cell=[spacing * side] * 3, pbc=True)
 
 
 def md_rate(calc: SchNetCalculator, atoms: Atoms, steps: int) -> float:
@@ -93,64 +113,111 @@ def md_rate(calc: SchNetCalculator, atoms: Atoms, steps: int) -> float:
     atoms.calc = calc
     MaxwellBoltzmannDistribution(atoms, temperature_K=300, rng=np.random.default_rng(2))
     dyn = VelocityVerlet(atoms, timestep=1 * fs)
-    dyn.run(2)
+    dyn.run(1)
     start = time.perf_counter()
     dyn.run(steps)
     return steps / (time.perf_counter() - start)
 
 
+def interleaved_latency(calls: dict[str, Callable], atoms: Atoms, rounds: int) -> dict:
+    """Median milliseconds of each ``call(atoms)``, one call of each per round on the same
+    moved positions (after WARM_UP rounds)."""
+    rng = np.random.default_rng(1)
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds + WARM_UP):
+        moved = atoms.copy()
+        moved.positions += rng.normal(0, 1e-3, atoms.positions.shape)
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call(moved)
+            times[name].append(time.perf_counter() - start)
+    return {name: 1000 * statistics.median(t[WARM_UP:]) for name, t in times.items()}
+
+
+def calculator_call(calc: SchNetCalculator) -> Callable:
+    def call(atoms: Atoms) -> None:
+        calc.calculate(atoms, ("energy", "forces"))
+
+    return call
+
+
+def export_call(module: torch.jit.ScriptModule, atoms: Atoms) -> Callable:
+    threads = 1 if len(atoms) < ONE_THREAD_ATOMS else torch.get_num_threads()
+
+    def call(moved: Atoms) -> None:
+        z, pos = torch.as_tensor(moved.numbers), torch.as_tensor(moved.positions)
+        with intra_op_threads(threads):  # as the calculator chooses
+            if moved.pbc.any():
+                module(z, pos, torch.as_tensor(moved.cell.array), torch.as_tensor(moved.pbc))
+            else:
+                module(z, pos)
+
+    return call
+
+
+def cases(quick: bool) -> list[tuple[str, str, Atoms]]:
+    """(structure name, model, atoms) of every row."""
+    rows = [
+        ("molecule", "paper", molecule(20)),
+        ("molecule", "paper", molecule(200)),
+        ("Cu fcc", "metal", copper((5, 1, 1))),
+        ("Cu fcc", "metal", copper((5, 5, 2))),
+        ("Cu fcc", "metal", copper((5, 5, 10))),
+        ("water box", "metal", water_box(7)),
+    ]
+    if not quick:
+        rows += [("Cu fcc", "metal", copper((10, 10, 25))), ("water box", "metal", water_box(15))]
+    return rows
+
+
 def run(quick: bool, store: str | Path) -> dict:
-    calls, steps = (30, 20) if quick else (200, 200)
     results = []
     with tempfile.TemporaryDirectory() as folder:
-        path = model_file(Path(folder))
-        for dtype in (torch.float32, torch.float64):
-            name = str(dtype).replace("torch.", "")
-            start = time.perf_counter()
-            calc = SchNetCalculator(path, dtype=dtype)
-            load = time.perf_counter() - start
-            for size in (20, 200):
-                atoms = structure(size)
-
-                def calculate(z, pos, calc=calc):
-                    calc.calculate(Atoms(numbers=z, positions=pos), ("energy", "forces"))
-
+        paths = {
+            "paper": model_file(Path(folder), PAPER_CONFIG, MOLECULE_ELEMENTS),
+            "metal": model_file(Path(folder), METAL_CONFIG, CELL_ELEMENTS),
+        }
+        calcs, modules = {}, {}
+        for model, path in paths.items():
+            for dtype in (torch.float32, torch.float64):
+                name = str(dtype).replace("torch.", "")
+                calcs[model, name] = SchNetCalculator(path, dtype=dtype)
+                exported = Path(folder) / f"{model}-{name}.torchscript.pt"
+                export_model(path, exported, dtype=dtype)
+                modules[model, name] = torch.jit.load(str(exported))
+        for structure, model, atoms in cases(quick):
+            calls = {}
+            for dtype in ("float32", "float64"):
+                calls[f"calculator {dtype}"] = calculator_call(calcs[model, dtype])
+                calls[f"exported {dtype}"] = export_call(modules[model, dtype], atoms)
+            rounds = max(3, min(20, 2000 // len(atoms))) if not quick else 3
+            latency = interleaved_latency(calls, atoms, rounds)
+            load = os.getloadavg()[0]
+            for name, ms in latency.items():
+                dtype = name.split()[-1]
+                steps = max(2, 600 // len(atoms)) if not quick else 2
+                md = md_rate(calcs[model, dtype], atoms, steps) if "calculator" in name else None
                 results.append(
                     {
-                        "name": f"calculator {name}",
-                        "atoms": size,
-                        "dtype": name,
-                        "ms_per_call": call_latency(calculate, atoms, calls),
-                        "md_steps_per_s": md_rate(calc, atoms, steps // (1 + size // 100)),
-                        "load_s": load,
+                        "name": name,
+                        "structure": structure,
+                        "atoms": len(atoms),
+                        "dtype": dtype,
+                        "ms_per_call": ms,
+                        "md_steps_per_s": md,
+                        "load_avg": load,
                     }
                 )
-            exported = Path(folder) / f"model-{name}.pt"
-            export_model(path, exported, dtype=dtype)
-            start = time.perf_counter()
-            module = torch.jit.load(str(exported))
-            load = time.perf_counter() - start
-            for size in (20, 200):
-                threads = 1 if size < ONE_THREAD_ATOMS else torch.get_num_threads()
-
-                def scripted(z, pos, module=module, dtype=dtype, threads=threads):
-                    with intra_op_threads(threads):  # as the calculator chooses
-                        module(torch.as_tensor(z), torch.as_tensor(pos, dtype=dtype))
-
-                results.append(
-                    {
-                        "name": f"exported {name}",
-                        "atoms": size,
-                        "dtype": name,
-                        "ms_per_call": call_latency(scripted, structure(size), calls),
-                        "load_s": load,
-                    }
-                )
+                print(results[-1], flush=True)
     notes = [
-        f"paper model (configs/qm9.yaml), random weights; torch threads {torch.get_num_threads()}",
-        "ms_per_call: median energy + forces call, positions moved by 1e-3 A each call",
+        "models: configs/qm9.yaml (molecules) and configs/emt_bulk.yaml (cells), filter=table,"
+        f" random weights; torch threads {torch.get_num_threads()}",
+        "ms_per_call: median energy + forces (+ stress for cells) call, positions moved by "
+        "1e-3 A each call, calculator and export interleaved round by round",
+        "exported: the train.py export file (its own torch-ops neighbour search), float64 "
+        "positions in",
         "md_steps_per_s: ASE VelocityVerlet, 1 fs, through the calculator",
-        "load_s: SchNetCalculator(path) for the calculator, torch.jit.load for the export",
         f"structures under {ONE_THREAD_ATOMS} atoms run on one intra-op thread (both ways)",
+        "load_avg: the 1-minute load average after the row's rounds (shared 2-core box)",
     ]
     return new_report("calculator", results, {}, notes)
