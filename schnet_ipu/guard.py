@@ -2,7 +2,7 @@
 
     guard = SpikeGuard(cfg.optim, Trainee(model, optimizer, scheduler, average, backend), best_pt)
     guard.begin(step)                         # after any resume: the first rollback target
-    spike = guard.check_read(loss, step)      # every logging.log_every host calls
+    spike = guard.check_read(loss, first, step)  # every logging.log_every host calls
     spike = guard.check_validation(val_loss, step)
     if spike is not None:
         record = guard.roll_back(spike)       # restore, lower the lr, log; or TrainingError
@@ -12,10 +12,13 @@
 and all take the largest (:meth:`~schnet_ipu.budget.Budget.agree`, the budget clock's
 collective), so every replica decides alike and all roll back at the same call. A read is a
 spike when it is not finite or above ``optim.spike_factor`` x the median of the last
-``optim.spike_window`` clean reads; before the first, above that factor x the standardised
-loss of the trivial prediction (1 per loss term: the dressed-atom energies, zero forces and
-stress). A validation is a spike when its standardised energy loss (``val_loss``) is above
-the factor x the best clean validation's (before one: x 1).
+``optim.spike_window`` clean reads; before the first, above that factor x the *start loss*:
+the run's first step loss (the initial weights'; a wide network starts well above the
+trivial prediction), or the trivial prediction's standardised loss (1 per loss term: the
+dressed-atom energies, zero forces and stress) if that is larger. A validation is a spike
+when its standardised energy loss (``val_loss``) is not finite or above the factor x the
+best clean validation's; the first finite one sets that reference (a wide network's first
+validations, a step or two in, can be 40x its start loss and recover).
 
 **What it keeps.** In memory, copies of the training weights, the optimiser state and the
 average of the weights (:class:`Snapshot`, ~4 copies of the parameters, taken once per
@@ -208,6 +211,7 @@ class SpikeGuard:
         self.reads: deque[float] = deque(maxlen=optim.spike_window)
         self.rollbacks = 0
         self.best_val_loss = math.inf
+        self.start_loss: float | None = None  # set by the first read
         self.validated: Snapshot | None = None
         self.good: Snapshot | None = None
         self.pending: Snapshot | None = None
@@ -218,10 +222,13 @@ class SpikeGuard:
         if self.good is None:
             self.validated = self.good = Snapshot.take(self.trainee, step)
 
-    def check_read(self, loss: float, step: int) -> Spike | None:
-        """A read (mean step loss since the last, agreed over replicas): a spike, or None
-        after keeping it and moving the snapshots on."""
-        reference, name = self.trivial_loss, "the trivial prediction's loss"
+    def check_read(self, loss: float, first: float, step: int) -> Spike | None:
+        """A read (mean step loss since the last, and the first of those step losses, each
+        agreed over replicas): a spike, or None after keeping it and moving the snapshots on."""
+        if self.start_loss is None:
+            start = first if math.isfinite(first) else self.trivial_loss
+            self.start_loss = max(start, self.trivial_loss)
+        reference, name = self.start_loss, "start loss"
         if self.reads:
             reference, name = statistics.median(self.reads), f"median of {len(self.reads)} reads"
         if not math.isfinite(loss) or loss > self.factor * reference:
@@ -235,11 +242,9 @@ class SpikeGuard:
     def check_validation(self, val_loss: float, step: int) -> Spike | None:
         """A validation's standardised loss: a spike, or None after making the state the
         target of later rollbacks."""
-        reference, name = self.trivial_loss, "the trivial prediction's loss"
-        if math.isfinite(self.best_val_loss):
-            reference, name = self.best_val_loss, "best validation"
+        reference = self.best_val_loss  # inf before the first clean validation
         if not math.isfinite(val_loss) or val_loss > self.factor * reference:
-            return Spike("validation loss", step, val_loss, reference, name)
+            return Spike("validation loss", step, val_loss, reference, "best validation")
         self.best_val_loss = min(self.best_val_loss, val_loss)
         self.validated = self.good = Snapshot.take(self.trainee, step)
         self.pending = None
@@ -310,6 +315,7 @@ class SpikeGuard:
             "reads": list(self.reads),
             "rollbacks": self.rollbacks,
             "best_val_loss": self.best_val_loss,
+            "start_loss": self.start_loss,
             "snapshots": [s.to_dict() for s in snapshots],
             **{name: None if s is None else index[id(s)] for name, s in held.items()},
         }
@@ -319,6 +325,8 @@ class SpikeGuard:
         self.reads.extend(float(v) for v in state["reads"])
         self.rollbacks = int(state["rollbacks"])
         self.best_val_loss = float(state["best_val_loss"])
+        start = state["start_loss"]
+        self.start_loss = None if start is None else float(start)
         snapshots = [Snapshot.from_dict(raw) for raw in state["snapshots"]]
         picked = {name: state[name] for name in ("validated", "good", "pending", "restored")}
         self.validated, self.good, self.pending, self.restored = (

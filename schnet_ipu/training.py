@@ -178,6 +178,11 @@ def run(cfg: Config, fresh: bool = False) -> None:
                 log.info("interrupted: saved %s after epoch %d; re-run to resume", last_path, epoch)
                 raise SystemExit(130)
 
+    if math.isinf(progress.best_mae):  # the divergence guard refused every validation
+        raise TrainingError(
+            f"no validation of {run_dir} passed the divergence guard, so there is no best.pt "
+            "to test; lower optim.lr"
+        )
     if runlog is not None:  # rank 0 wrote best.pt; the others get its weights through the group
         model.load_state_dict(load_checkpoint(best_path)["model"])
     if replica.world_size > 1:
@@ -323,8 +328,8 @@ def train_epoch(
 
     def read_and_check(step: int) -> list[float]:
         read = read_losses(pending, epoch, step, refuse_non_finite=guard is None)
-        shared = budget.agree([mean_or_inf(read)] if guard is not None else [])
-        spike = None if guard is None else guard.check_read(shared[0], step)
+        shared = budget.agree([mean_or_inf(read), mean_or_inf(read[:1])] if guard else [])
+        spike = None if guard is None else guard.check_read(*shared, step)
         if spike is not None:
             roll_back(guard, spike, runlog, epoch, calls)
         return read
