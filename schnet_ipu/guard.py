@@ -32,7 +32,8 @@ is multiplied by ``optim.spike_lr_factor`` from then on (the scheduler's base ra
 checkpoints keep it), one line is logged, and training goes on from where the data stood (the
 data order and the schedule's clock are not rewound). A spike after ``optim.spike_rollbacks``
 rollbacks stops the run with :class:`~schnet_ipu.run_state.TrainingError` naming the step and
-the learning rate; ``best.pt`` stays.
+the learning rate; ``best.pt`` stays. At the end, :func:`check_beats_baseline` fails a run
+whose test MAE does not beat the dressed-atom baseline (``optim.beat_baseline``).
 
 **Resume.** :meth:`SpikeGuard.state` (reads, rollbacks, best validation loss, snapshots) goes
 into ``last.pt``, so a resumed run decides and rolls back exactly as the uninterrupted one.
@@ -331,4 +332,17 @@ class SpikeGuard:
         picked = {name: state[name] for name in ("validated", "good", "pending", "restored")}
         self.validated, self.good, self.pending, self.restored = (
             None if i is None else snapshots[i] for i in picked.values()
+        )
+
+
+def check_beats_baseline(final: dict, run_dir: Path) -> None:
+    """A run whose network does no better than the dressed-atom fit learned nothing usable
+    (it diverged, or trained far too briefly): an error, not exit 0."""
+    mae, baseline, unit = final["test_mae"], final["baseline_test_mae"], final["unit"]
+    if not mae < baseline:  # NaN too
+        raise TrainingError(
+            f"{run_dir}: test MAE {mae:.4g} {unit} does not beat the dressed-atom baseline "
+            f"({baseline:.4g} {unit}): the network learned nothing usable (it diverged, or "
+            "trained too briefly); lower optim.lr or train longer (optim.beat_baseline=false "
+            "accepts such a run)"
         )
