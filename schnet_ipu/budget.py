@@ -3,6 +3,7 @@
     budget = Budget(minutes=cfg.optim.max_minutes, spent=checkpoint_seconds)
     budget.start()                 # at the first host call of this process
     budget.agree()                 # replicas: all read the slowest one's clock from here on
+    budget.agree([loss])           # ... and the largest of their values, in the same collective
     budget.next_validation()       # count at which to pause and validate (each 10% of it)
     budget.fraction()              # 0..1: what the learning-rate schedule follows
     budget.exhausted()             # the loop stops, validates, saves and tests
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -66,14 +67,20 @@ class Budget:
         as of the last agreement)."""
         return self._own_seconds() if self.world_size == 1 else self._agreed
 
-    def agree(self) -> None:
+    def agree(self, shared: Sequence[float] = ()) -> list[float]:
         """With replicas, every replica takes the largest count among them (a collective:
-        all replicas call it at the same point); without, nothing to do."""
-        if self.world_size == 1 or self.total <= 0:
-            return
-        count = torch.tensor([self._own_seconds()], dtype=torch.float64, device=self.device)
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)
-        self._agreed = float(count.cpu())
+        all replicas call it at the same point); without, nothing to do. ``shared``: values
+        each replica contributes (the divergence guard's loss), returned as their maximum
+        over the replicas, carried by the same collective."""
+        if self.world_size == 1 or (self.total <= 0 and not shared):
+            return list(shared)
+        values = [self._own_seconds(), *shared]
+        maxima = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
+        count, *agreed = maxima.cpu().tolist()
+        if self.total > 0:
+            self._agreed = count
+        return agreed
 
     def next_validation(self) -> float:
         """The count at which training pauses to validate: every epoch's end, and with a

@@ -30,6 +30,7 @@ from schnet_ipu.runlog import append_whole, write_failed
 RESUMABLE_CHANGES = (
     "optim.epochs",
     "optim.max_minutes",  # a budget may be extended
+    "optim.beat_baseline",  # checked after the run
     "logging.",
     "loader.workers",
     "loader.prefetch",

@@ -111,6 +111,17 @@ class OptimConfig:
     stress_weight: float = 0.0  # weight of the standardised stress loss (stores with stress)
     max_minutes: float = 0.0  # wall-clock budget of the training loop; 0 = off (epochs only)
     ema_decay: float = 0.0  # average of the weights for validation, test and model files; 0 = off
+    # divergence guard (schnet_ipu/guard.py): a read of the step losses (every logging.log_every
+    # host calls) above spike_factor x the median of the last spike_window reads, or a
+    # validation loss above spike_factor x the best, rolls back to the last good weights and
+    # optimiser state (kept in memory) and multiplies the lr by spike_lr_factor; a spike after
+    # spike_rollbacks rollbacks stops the run (exit 2, best.pt kept)
+    spike_guard: bool = True
+    spike_factor: float = 10.0
+    spike_window: int = 20
+    spike_lr_factor: float = 0.5
+    spike_rollbacks: int = 4
+    beat_baseline: bool = True  # exit 2 unless the test MAE beats the dressed-atom baseline
 
 
 @dataclass
@@ -189,6 +200,7 @@ POSITIVE = (
     "model.filter_points",
     "optim.epochs",
     "optim.lr",
+    "optim.spike_window",
     "backend.replicas",
     "backend.device_iterations",
     "backend.gradient_accumulation",
@@ -213,6 +225,7 @@ NON_NEGATIVE = (
     "optim.stress_weight",
     "optim.max_minutes",
     "optim.ema_decay",
+    "optim.spike_rollbacks",
     "backend.threads",
 )
 
@@ -299,6 +312,12 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"data.water_sizes must be [min, max] with 1 <= min <= max, got {lo_hi}")
     if not 0 <= cfg.optim.ema_decay < 1:
         raise ConfigError(f"optim.ema_decay must be in [0, 1) (0 = off), got {cfg.optim.ema_decay}")
+    if cfg.optim.spike_factor <= 1:
+        raise ConfigError(f"optim.spike_factor must be > 1, got {cfg.optim.spike_factor}")
+    if not 0 < cfg.optim.spike_lr_factor < 1:
+        raise ConfigError(
+            f"optim.spike_lr_factor must be in (0, 1), got {cfg.optim.spike_lr_factor}"
+        )
     if not 0 < cfg.packing.target_efficiency <= 1:
         raise ConfigError("packing.target_efficiency must be in (0, 1]")
     fractions = [v for v in (cfg.data.val, cfg.data.test) if v < 1]

@@ -8,7 +8,8 @@
 A checkpoint holds the model (the average of the weights when ``optim.ema_decay`` keeps
 one: what evaluation and model files use), the optimiser, schedule and RNG states, the
 position (epoch, host call), the best validation MAE, the config, the model spec, the
-budget's seconds, and with an average also the weights training goes on from.
+budget's seconds, with an average also the weights training goes on from, and in ``last.pt``
+the divergence guard's state (:mod:`schnet_ipu.guard`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -32,6 +33,9 @@ from schnet_ipu.checkpoint import (
 )
 from schnet_ipu.config import Config
 from schnet_ipu.errors import UserError
+
+if TYPE_CHECKING:  # the guard raises TrainingError, defined here
+    from schnet_ipu.guard import SpikeGuard
 
 
 class TrainingError(UserError, RuntimeError):
@@ -71,6 +75,7 @@ class RunState:
     spec: dict[str, Any]  # ModelSpec.to_dict()
     budget: Budget
     average: WeightAverage | None
+    guard: SpikeGuard | None = None
 
     def restore(self, resume: dict[str, Any], path: Path) -> Progress:
         with restoring(path):
@@ -81,10 +86,13 @@ class RunState:
             self.optimizer.load_state_dict(resume["optimizer"])
             self.scheduler.load_state_dict(resume["scheduler"])
             set_rng_state(resume["rng"])
+            if self.guard is not None and "guard" in resume:  # else it starts afresh here
+                self.guard.load(resume["guard"])
         return Progress(int(resume["epoch"]), int(resume["call"]), float(resume["best_mae"]))
 
-    def checkpoint(self, progress: Progress) -> dict[str, Any]:
-        """The state to save at ``progress``; refuses non-finite weights."""
+    def checkpoint(self, progress: Progress, resumable: bool = True) -> dict[str, Any]:
+        """The state to save at ``progress``; refuses non-finite weights. ``resumable``
+        (``last.pt``, not ``best.pt``): with the divergence guard's state."""
         if not all(torch.isfinite(p).all() for p in self.model.parameters()):
             raise TrainingError(
                 f"non-finite weights at epoch {progress.epoch}; no checkpoint written"
@@ -104,4 +112,6 @@ class RunState:
         }
         if average is not None:  # the weights training goes on from, for an exact resume
             state.update(train_model=self.model.state_dict(), ema=average.state())
+        if resumable and self.guard is not None:
+            state["guard"] = self.guard.state()
         return state

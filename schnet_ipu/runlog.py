@@ -1,7 +1,8 @@
 """The run directory's logs: metrics.jsonl, optional wandb (offline by default), the plot.
 
 ``metrics.jsonl`` holds one JSON object per line with ``"kind"`` in ``step``, ``epoch``,
-``final`` (and ``stage`` for the timings of data preparation). Epoch records carry
+``final`` (and ``stage`` for the timings of data preparation, ``rollback`` for each rollback
+of the divergence guard, :mod:`schnet_ipu.guard`). Epoch records carry
 ``epoch``, ``train_loss``, ``val_mae``, ``molecules_per_s``; the final record carries
 ``test_mae``, ``test_rmse``, ``baseline_test_mae``, ``unit``, ``wall_seconds``.
 
@@ -126,13 +127,14 @@ def truncate_after(path: Path, epoch: int, call: int) -> None:
     a torn last line; the log is replaced atomically (temp file, fsync, rename). An epoch
     record's ``call`` is the host call it was validated at (a budget validates inside
     epochs), so a checkpoint at (epoch, call) keeps the records up to it (records without
-    one are whole epochs)."""
+    one are whole epochs). A rollback at (epoch, call) came before the checkpoint there."""
     kept = [
         r
         for r in read_records(path)
         if r["kind"] == "stage"
         or (r["kind"] == "epoch" and (r["epoch"], r.get("call", math.inf)) <= (epoch, call))
         or (r["kind"] == "step" and (r["epoch"], r["call"]) < (epoch, call))
+        or (r["kind"] == "rollback" and (r["epoch"], r["call"]) <= (epoch, call))
     ]
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:

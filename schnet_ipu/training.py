@@ -8,7 +8,11 @@ last checkpoint and ends with the same weights as an uninterrupted run.
 
 The components come from :mod:`schnet_ipu.components`, the loss and metrics from the task
 (:mod:`schnet_ipu.task`); every checkpoint is a self-contained model file
-(:mod:`schnet_ipu.model_file`).
+(:mod:`schnet_ipu.model_file`). The divergence guard (:mod:`schnet_ipu.guard`, on unless
+``optim.spike_guard=false``) rolls a blow-up of the loss back, and a run whose test MAE does
+not beat the dressed-atom baseline ends with an error (``optim.beat_baseline``). Over 400
+lines: the loop's parts (epoch, reads, records, Ctrl-C) share its state and read best
+together.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from schnet_ipu.budget import Budget, WeightAverage
 from schnet_ipu.checkpoint import load_checkpoint, save_checkpoint
 from schnet_ipu.components import make_scheduler, make_trainer, model_spec
 from schnet_ipu.config import Config
+from schnet_ipu.guard import Spike, SpikeGuard, Trainee, check_beats_baseline
 from schnet_ipu.loader import PackedLoader
 from schnet_ipu.pipeline import PreparedData, make_loader, prepare_data
 from schnet_ipu.run_state import Progress, RunState, TrainingError, read_resume
@@ -59,7 +64,10 @@ def train(cfg: Config, fresh: bool = False) -> dict:
     with hold_run_lock(run_dir, holder=launcher_rank() == 0):  # one writer per run folder
         launch_replicas(_run_replica, processes_for(cfg.backend, device), cfg, fresh)
         finals = read_records(run_dir / "metrics.jsonl", "final")
-    return finals[-1] if finals else {}
+    final = finals[-1] if finals else {}
+    if final and cfg.optim.beat_baseline:
+        check_beats_baseline(final, run_dir)
+    return final
 
 
 def _run_replica(rank: int, cfg: Config, fresh: bool) -> None:
@@ -91,17 +99,25 @@ def run(cfg: Config, fresh: bool = False) -> None:
     scheduler = make_scheduler(cfg, optimizer, steps, budget)
     average = WeightAverage(model, cfg.optim.ema_decay) if cfg.optim.ema_decay else None
     spec = model_spec(cfg, data, model, task).to_dict()
-    state = RunState(cfg, model, optimizer, scheduler, spec, budget, average)
+    guard = None
+    if cfg.optim.spike_guard:
+        trainee = Trainee(model, optimizer, scheduler, average, backend)
+        trivial = 1 + cfg.optim.forces_weight + cfg.optim.stress_weight  # standardised terms
+        where = f" (replica {rank} of {world})" if world > 1 else ""
+        guard = SpikeGuard(cfg.optim, trainee, best_path, trivial, where)
+    state = RunState(cfg, model, optimizer, scheduler, spec, budget, average, guard)
     progress = Progress()
     if resume is not None:
         progress = state.restore(resume, last_path)
         backend.after_host_weight_load()
         log.info("resuming %s at epoch %d, host call %d", run_dir, progress.epoch, progress.call)
+    if guard is not None:
+        guard.begin(progress.epoch * steps + progress.call * cfg.backend.device_iterations)
     runlog = open_run_dir(cfg, run_dir, fresh, progress if resume else None, data.timings, replica)
 
     def checkpoint(path: Path) -> None:
         if runlog is not None:  # rank 0 writes
-            save_checkpoint(path, state.checkpoint(progress))
+            save_checkpoint(path, state.checkpoint(progress, resumable=path == last_path))
 
     stop = StopFlag()
     # Ctrl-C anywhere in an epoch (training, validation, checkpoints) is a stop request:
@@ -112,7 +128,7 @@ def run(cfg: Config, fresh: bool = False) -> None:
             epoch, first_call = progress.epoch, progress.call
             stats = train_epoch(
                 cfg, backend, task, scheduler, train_loader, epoch, first_call, runlog, replica,
-                stop, budget, average, until=budget.next_validation(),
+                stop, budget, average, guard, until=budget.next_validation(),
             )  # fmt: skip
             if stop.requested:
                 progress.epoch, progress.call = epoch, stats["calls"]
@@ -122,11 +138,18 @@ def run(cfg: Config, fresh: bool = False) -> None:
             with averaged(average, backend):
                 val = evaluate(task, backend, val_loader, "val", replica.world_size)
             budget.agree()
-            if cfg.optim.schedule == "plateau":
+            calls = stats["calls"]
+            spike = None
+            if guard is not None:  # every replica has the same validation metrics
+                step = epoch * steps + calls * cfg.backend.device_iterations
+                spike = guard.check_validation(val["loss"], step)
+            if spike is not None:
+                roll_back(guard, spike, runlog, epoch, calls)
+            elif cfg.optim.schedule == "plateau":
                 scheduler.step(val["mae"])
                 backend.optimizer_changed()
-            improved = val["mae"] < progress.best_mae
-            best, calls = min(progress.best_mae, val["mae"]), stats["calls"]
+            improved = spike is None and val["mae"] < progress.best_mae
+            best = progress.best_mae if spike is not None else min(progress.best_mae, val["mae"])
             whole = calls == len(train_loader)  # else the budget ended the epoch or the chunk
             progress = Progress(epoch + 1, 0, best) if whole else Progress(epoch, calls, best)
             if runlog is not None:
@@ -144,6 +167,11 @@ def run(cfg: Config, fresh: bool = False) -> None:
                 log.info("interrupted: saved %s after epoch %d; re-run to resume", last_path, epoch)
                 raise SystemExit(130)
 
+    if math.isinf(progress.best_mae):  # the divergence guard refused every validation
+        raise TrainingError(
+            f"no validation of {run_dir} passed the divergence guard, so there is no best.pt "
+            "to test; lower optim.lr"
+        )
     if runlog is not None:  # rank 0 wrote best.pt; the others get its weights through the group
         model.load_state_dict(load_checkpoint(best_path)["model"])
     if replica.world_size > 1:
@@ -271,18 +299,30 @@ def train_epoch(
     stop: StopFlag,
     budget: Budget,
     average: WeightAverage | None,
+    guard: SpikeGuard | None = None,
     until: float = math.inf,
 ) -> dict:
     """One epoch of host calls from ``first_call`` until the epoch ends, the ``budget`` is
     spent, its clock reaches ``until`` seconds (time to validate) or a stop is requested;
-    returns its mean loss, throughput and time split. ``average`` follows every call.
-    Replicas agree on the budget's clock every ``logging.log_every`` calls, so all stop at
-    the same call.
+    returns its mean (finite) loss, throughput and time split. ``average`` follows every
+    call. Replicas agree on the budget's clock every ``logging.log_every`` calls, so all
+    stop at the same call.
 
     The step losses stay on the device: they are read (one synchronisation) every
-    ``logging.log_every`` host calls and at the end of the epoch, and checked then.
+    ``logging.log_every`` host calls and at the end of the epoch, and checked then: by the
+    ``guard`` (their mean, the largest over replicas, agreed with the clock), which may roll
+    back; without one a non-finite loss stops the run.
     """
     steps_per_call = cfg.backend.device_iterations
+
+    def read_and_check(step: int) -> list[float]:
+        read = read_losses(pending, epoch, step, refuse_non_finite=guard is None)
+        shared = budget.agree([mean_or_inf(read), mean_or_inf(read[:1])] if guard else [])
+        spike = None if guard is None else guard.check_read(*shared, step)
+        if spike is not None:
+            roll_back(guard, spike, runlog, epoch, calls)
+        return read
+
     losses, molecules = [], 0
     pending: list = []  # losses of the steps since the last read, on the device
     data_seconds = step_seconds = 0.0
@@ -321,8 +361,7 @@ def train_epoch(
         bar.update(1)
         if calls % cfg.logging.log_every:
             continue
-        budget.agree()
-        losses += read_losses(pending, epoch, step)
+        losses += read_and_check(step)
         rate = molecules / max(time.perf_counter() - epoch_start, 1e-9)
         shown = {k: f"{v:.4f}" for k, v in task.training_metrics().items()}
         bar.set_postfix(loss=f"{losses[-1]:.4f}", mol_s=f"{rate * replica.world_size:.0f}", **shown)
@@ -340,11 +379,15 @@ def train_epoch(
                 replicas=cfg.backend.replicas,
                 collectives_per_step=records[-1]["collectives"],
             )
-    losses += read_losses(pending, epoch, (epoch * len(loader) + calls) * steps_per_call)
+    end = (epoch * len(loader) + calls) * steps_per_call
+    if pending and guard is not None and not stop.requested:  # every replica has some
+        losses += read_and_check(end)
+    losses += read_losses(pending, epoch, end, refuse_non_finite=guard is None)
     bar.close()
     seconds = time.perf_counter() - epoch_start
+    finite = [loss for loss in losses if math.isfinite(loss)]
     return {
-        "loss": float(np.mean(losses)) if losses else math.nan,
+        "loss": float(np.mean(finite)) if finite else math.nan,
         "molecules_per_s": molecules * replica.world_size / max(seconds, 1e-9),
         "data_seconds": data_seconds,
         "step_seconds": step_seconds,
@@ -353,15 +396,18 @@ def train_epoch(
     }
 
 
-def read_losses(pending: list, epoch: int, end_step: int) -> list[float]:
+def read_losses(
+    pending: list, epoch: int, end_step: int, refuse_non_finite: bool = True
+) -> list[float]:
     """Read the step losses (device tensors or floats) of the ``len(pending)`` steps before
-    ``end_step`` at once, empty ``pending``, and raise on the first non-finite one."""
+    ``end_step`` at once, empty ``pending``, and (``refuse_non_finite``) raise on the first
+    non-finite one."""
     if not pending:
         return []
     values = torch.stack([torch.as_tensor(loss) for loss in pending]).tolist()
     first = end_step - len(values)
     pending.clear()
-    for i, value in enumerate(values):
+    for i, value in enumerate(values if refuse_non_finite else []):
         if not math.isfinite(value):
             raise TrainingError(
                 f"non-finite loss ({value}) at epoch {epoch}, step {first + i} (read after "
@@ -369,6 +415,20 @@ def read_losses(pending: list, epoch: int, end_step: int) -> list[float]:
                 "or set optim.grad_clip."
             )
     return values
+
+
+def mean_or_inf(losses: list[float]) -> float:
+    """The mean of a read's step losses; inf when one is not finite (a spike to any guard)."""
+    return float(np.mean(losses)) if all(map(math.isfinite, losses)) else math.inf
+
+
+def roll_back(
+    guard: SpikeGuard, spike: Spike, runlog: RunLog | None, epoch: int, call: int
+) -> None:
+    """The guard's rollback, and its record in metrics.jsonl."""
+    record = guard.roll_back(spike)
+    if runlog is not None:
+        runlog.write("rollback", epoch=epoch, call=call, **record)
 
 
 @contextmanager

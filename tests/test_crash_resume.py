@@ -54,6 +54,7 @@ def config(store: Path, run_dir: Path):
             "packing.target_efficiency=0.8",
             f"optim.epochs={EPOCHS}",
             "optim.schedule=constant",
+            "optim.beat_baseline=false",  # a smoke run, too short to learn
             "loader.workers=0",
             "backend.threads=1",
             "logging.progress=false",

@@ -64,6 +64,7 @@ def train_small(store: Path, run_dir: Path, device_resident: str) -> dict:
     overrides = [
         f"data.path={store}", "data.val=40", "data.test=40", "model.hidden_channels=16",
         "model.num_filters=16", "model.num_interactions=1", "optim.epochs=2",
+        "optim.beat_baseline=false",
         "loader.workers=0", "logging.progress=false", "logging.log_every=3",
         f"logging.run_dir={run_dir}", "backend.device=cuda",
         f"loader.device_resident={device_resident}",

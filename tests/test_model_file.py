@@ -54,6 +54,7 @@ def run_config(store: Path, run_dir: Path, seed: int):
             "packing.packs_per_batch=4",
             "optim.epochs=2",
             "optim.schedule=constant",
+            "optim.beat_baseline=false",  # a smoke run, too short to learn
             "logging.progress=false",
             "logging.plot=false",
             f"logging.run_dir={run_dir}",

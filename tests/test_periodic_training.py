@@ -56,6 +56,7 @@ def bulk_config(frames: Path, root: Path, *extra: str):
             "model.num_gaussians=8",
             "optim.epochs=2",
             "optim.warmup_steps=0",
+            "optim.beat_baseline=false",  # a smoke run, too short to learn
             "logging.progress=false",
             "logging.plot=false",
             f"logging.run_dir={root / 'run'}",
