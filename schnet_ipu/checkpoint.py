@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from schnet_ipu.config import ConfigError
+from schnet_ipu.config import ConfigError, config_from_dict
 from schnet_ipu.errors import CheckpointError
 from schnet_ipu.runlog import append_whole, write_failed
 
@@ -190,7 +190,10 @@ def config_differences(
 
 
 def check_same_run(saved: dict[str, Any], current: dict[str, Any], run_dir: Path) -> None:
-    differences = config_differences(saved, current)
+    """ConfigError unless ``current`` is the config ``saved`` in ``run_dir``'s checkpoint. Keys
+    added to the config since that run started (absent from ``saved``) take their defaults, so
+    a run resumes across an upgrade that only adds keys."""
+    differences = config_differences(config_from_dict(saved).to_dict(), current)
     if differences:
         listed = "; ".join(differences[:5])
         raise ConfigError(

@@ -163,6 +163,19 @@ def test_another_configs_run_directory_is_refused(store, tmp_path):
     )
 
 
+def test_a_run_saved_before_new_config_keys_resumes(store, tmp_path):
+    run_dir = tmp_path / "run"
+    train(load_config(None, tiny(store, run_dir, "optim.epochs=1")))
+    last = run_dir / "checkpoints/last.pt"
+    saved = torch.load(last, weights_only=False)
+    for key in [k for k in saved["config"]["optim"] if k.startswith("spike_")]:
+        del saved["config"]["optim"][key]  # as saved before the divergence guard existed
+    del saved["guard"]
+    torch.save(saved, last)
+    train(load_config(None, tiny(store, run_dir, "optim.epochs=2")))  # resumes, not refused
+    assert [r["epoch"] for r in read_records(run_dir / "metrics.jsonl", "epoch")] == [0, 1]
+
+
 def test_non_finite_loss_stops_and_names_the_step(store, tmp_path):
     run_dir = tmp_path / "run"
     guard_off = "optim.spike_guard=false"  # with it, tests/test_guard.py
