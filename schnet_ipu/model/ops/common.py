@@ -9,6 +9,14 @@ from torch import Tensor
 
 LOG2 = math.log(2.0)
 
+# torch.compiler.is_compiling appeared in torch 2.1; torch 2.0 (the Poplar SDK's) has the
+# torch._dynamo one.
+is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+if is_compiling is None:
+    import torch._dynamo
+
+    is_compiling = torch._dynamo.is_compiling
+
 
 def naive_shifted_softplus(x: Tensor) -> Tensor:
     """``log(1 + exp(x)) - log 2`` as written, which overflows to ``inf`` for large ``x``

@@ -18,14 +18,7 @@ from torch import Tensor
 from schnet_ipu.model.filter_table import grid_position, hermite_coefficients, hermite_filter
 from schnet_ipu.model.ops import fused_table
 from schnet_ipu.model.ops.common import LOG2, cell_offsets, edge_distance
-
-# torch.compiler.is_compiling appeared in torch 2.1; torch 2.0 (the Poplar SDK's) has the
-# torch._dynamo one.
-_is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
-if _is_compiling is None:
-    import torch._dynamo
-
-    _is_compiling = torch._dynamo.is_compiling
+from schnet_ipu.model.ops.common import is_compiling as _is_compiling
 
 
 class _ShiftedSoftplus(torch.autograd.Function):
@@ -197,13 +190,15 @@ def table_conv(
     pair-symmetric storage (edges E'.. E-1 are edges 0.. E'-1 reversed and share their
     filter). Returns [N, F]. Differentiable in x, dist, values and slopes.
 
-    On CPU tensors with numba, outside ``torch.compile``: one compiled loop per pass
-    (:mod:`.fused_table`, twice differentiable). Otherwise plain torch ops: the interpolated
+    On CPU tensors with numba: one compiled loop per pass (:mod:`.fused_table`, twice
+    differentiable; custom operators that ``torch.compile`` calls as they are on torch >= 2.4,
+    so on older torch only outside ``torch.compile``). Otherwise plain torch ops: the interpolated
     filter [E', F], then :func:`pair_symmetric_conv` or gather-multiply-scatter; these are
     the reference other flavours' kernels are tested against, and on CUDA they run as they
     are (a fused GPU kernel is another flavour's).
     """
-    if fused_table.AVAILABLE and x.device.type == "cpu" and not _is_compiling():
+    fused_here = fused_table.CUSTOM_OPS or not _is_compiling()
+    if fused_table.AVAILABLE and x.device.type == "cpu" and fused_here:
         index, t = grid_position(dist, values.shape[0], cutoff)
         coeffs = hermite_coefficients(values, slopes, cutoff)
         return fused_table.fused_table_conv(x, edge_index, coeffs, index, t, edge_mask)
