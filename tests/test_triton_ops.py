@@ -167,21 +167,36 @@ def test_table_conv_equals_torch_flavour(packed_batch, fused, monkeypatch):
 
 @needs_triton
 @pytest.mark.triton
-def test_table_conv_refuses_a_double_backward(packed_batch):
-    """Force training differentiates the forces again: the table kernels say they cannot."""
-    x, dist, mask, _, grad = pair_inputs(packed_batch, torch.float32)
-    values = torch.ones(KNOTS, x.shape[1], device=DEVICE, requires_grad=True)
-    dist.requires_grad_()
-    out = triton_ops.table_conv(x, packed_batch.edge_index, dist, mask, values, values, CUTOFF)
-    (grad_dist,) = torch.autograd.grad(out, dist, grad)  # once: fine
-    assert grad_dist.abs().max() > 0
-    with pytest.raises(ConfigError, match=r"model\.ops=torch"):
-        torch.autograd.grad(out, dist, grad, create_graph=True)
+def test_table_conv_double_backward_equals_torch_flavour(packed_batch):
+    """Force training differentiates the forces again: under create_graph the triton
+    table_conv's backward (the torch flavour's unfused ops, recomputed) gives the torch
+    flavour's (numba's fused double backward) second derivatives, float64."""
+    x, dist, mask, _, grad = pair_inputs(packed_batch, torch.float64)
+    gen = torch.Generator().manual_seed(6)
+    values = torch.randn(KNOTS, x.shape[1], generator=gen, dtype=torch.float64).to(DEVICE)
+    slopes = torch.randn(KNOTS, x.shape[1], generator=gen, dtype=torch.float64).to(DEVICE)
+    results = []
+    for flavour in (triton_ops, torch_ops):
+        leaves = [t.detach().clone().requires_grad_() for t in (x, dist, values, slopes)]
+        xi, di, vi, si = leaves
+        out = flavour.table_conv(xi, packed_batch.edge_index, di, mask, vi, si, CUTOFF)
+        first = torch.autograd.grad(out, leaves, grad, create_graph=True)
+        # force-like: d/d(everything) of |d loss / d dist|^2 + a term on grad x
+        second = torch.autograd.grad(first[1].square().sum() + first[0].sum(), leaves)
+        results.append((first, second))
+    (first, second), (want_first, want_second) = results
+    names = ("x", "dist", "values", "slopes")
+    for name, a, b in zip(names, first, want_first):
+        assert_close(a, b, f"first {name}")
+    for name, a, b in zip(names, second, want_second):
+        assert b.abs().max() > 0, name
+        assert_close(a, b, f"second {name}")
 
 
 @needs_triton
 @pytest.mark.triton
-def test_model_equals_torch_flavour_with_forces(packed_batch):
+@pytest.mark.parametrize("filter_", ["exact", "table"])
+def test_model_equals_torch_flavour_with_forces(packed_batch, filter_):
     """SchNet with ops=triton and ops=torch, same weights, float64: predictions, forces
     (dE/dpos through the kernels' backward) and every parameter's gradient of a loss on both
     (a double backward, the force-training path)."""
@@ -189,7 +204,8 @@ def test_model_equals_torch_flavour_with_forces(packed_batch):
     for ops in ("torch", "triton"):
         torch.manual_seed(4)
         model = SchNet(hidden_channels=16, num_filters=16, num_interactions=2, graph="radius",
-                       ops=ops, mean=0.3, std=1.5).to(DEVICE, torch.float64)  # fmt: skip
+                       ops=ops, mean=0.3, std=1.5, filter=filter_,
+                       filter_points=KNOTS).to(DEVICE, torch.float64)  # fmt: skip
         batch = packed_batch.to(DEVICE)
         batch.pos = batch.pos.to(torch.float64)
         energies, forces = energy_and_forces(model, batch, create_graph=True)

@@ -4,10 +4,11 @@ time, :mod:`schnet_ipu.bench.forces_vs_schnetpack`).
 
     python -m schnet_ipu.bench.forces --config configs/emt_forces.yaml [key=value ...]
 
-Builds the run's trainer five times on the same batches: energy only (torch flavour), energy
+Builds the run's trainer six times on the same batches: energy only (torch flavour), energy
 + forces (torch flavour: custom autograd functions with double backward), energy + forces
-through plain ops (the ipu flavour, which autograd differentiates twice by itself), and the
-first two with the tabulated filter (``model.filter=table``). The steps are timed in
+through plain ops (the ipu flavour, which autograd differentiates twice by itself), the
+first two with the tabulated filter (``model.filter=table``), and the energy-only table step
+compiled (``backend.compile``). The steps are timed in
 interleaved rounds, so load from other processes hits all alike; prints the median
 milliseconds per step and the ratios to energy-only (exact filter).
 """
@@ -32,12 +33,15 @@ from schnet_ipu.pipeline import make_loader, prepare_data
 
 __all__ = ["COLUMNS", "PLOT", "main", "run"]
 
-VARIANTS = {  # name -> (forces_weight, op flavour, model.filter)
-    "energy": (0.0, "torch", "exact"),
-    "forces": (1.0, "torch", "exact"),
-    "forces_plain_ops": (1.0, "ipu", "exact"),
-    "energy_table": (0.0, "torch", "table"),
-    "forces_table": (1.0, "torch", "table"),
+# name -> (forces_weight, op flavour, model.filter, backend.compile); force steps are not
+# compiled (AOTAutograd refuses a double backward)
+VARIANTS = {
+    "energy": (0.0, "torch", "exact", False),
+    "forces": (1.0, "torch", "exact", False),
+    "forces_plain_ops": (1.0, "ipu", "exact", False),
+    "energy_table": (0.0, "torch", "table", False),
+    "forces_table": (1.0, "torch", "table", False),
+    "energy_table_compiled": (0.0, "torch", "table", True),
 }
 
 
@@ -55,11 +59,12 @@ def main(argv: list[str]) -> int:
     calls = make_loader(cfg, data, "train").epoch(0)
     batches = [next(calls) for _ in range(args.steps)]
     backends = {}
-    for name, (weight, ops, filter_) in VARIANTS.items():
+    for name, (weight, ops, filter_, compiled) in VARIANTS.items():
         variant = dataclasses.replace(
             cfg,
             optim=dataclasses.replace(cfg.optim, forces_weight=weight),
             model=dataclasses.replace(cfg.model, ops=ops, filter=filter_),
+            backend=dataclasses.replace(cfg.backend, compile=compiled),
         )
         backends[name] = make_trainer(variant, data, ReplicaInfo(), "cpu")[2]
         backends[name].train_call(batches[0])  # warm-up

@@ -202,6 +202,20 @@ def table_conv(
         index, t = grid_position(dist, values.shape[0], cutoff)
         coeffs = hermite_coefficients(values, slopes, cutoff)
         return fused_table.fused_table_conv(x, edge_index, coeffs, index, t, edge_mask)
+    return table_conv_unfused(x, edge_index, dist, edge_mask, values, slopes, cutoff)
+
+
+def table_conv_unfused(
+    x: Tensor,
+    edge_index: Tensor,
+    dist: Tensor,
+    edge_mask: Tensor,
+    values: Tensor,
+    slopes: Tensor,
+    cutoff: float,
+) -> Tensor:
+    """:func:`table_conv` in torch ops alone (any device, differentiable to any order): the
+    interpolated filter [E', F], then :func:`pair_symmetric_conv` or gather-multiply-scatter."""
     filt = hermite_filter(dist, edge_mask, values, slopes, cutoff).to(x.dtype)  # [E', F]
     if filt.shape[0] < edge_index.shape[1]:
         return pair_symmetric_conv(x, edge_index, filt)

@@ -25,7 +25,11 @@ import torch
 from torch import Tensor
 
 from schnet_ipu.config import ConfigError
-from schnet_ipu.model.ops.torch_ops import TorchOps, _pair_symmetric_conv_backward
+from schnet_ipu.model.ops.torch_ops import (
+    TorchOps,
+    _pair_symmetric_conv_backward,
+    table_conv_unfused,
+)
 
 AVAILABLE = importlib.util.find_spec("triton") is not None
 
@@ -114,8 +118,9 @@ class _PairSymmetricConv(torch.autograd.Function):
 
 
 class _TableConv(torch.autograd.Function):
-    """:func:`table_conv` by the fused kernels; differentiable once: a backward under
-    ``create_graph`` (force training's double backward) is a ConfigError."""
+    """:func:`table_conv` by the fused kernels. Under ``create_graph`` (force training) the
+    backward is the torch flavour's unfused one (:func:`_differentiable_backward`), which
+    autograd differentiates again; without it (energy training) the fused backward kernel."""
 
     @staticmethod
     def forward(
@@ -129,12 +134,9 @@ class _TableConv(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
-        if torch.is_grad_enabled():  # create_graph: the kernel's gradients are not
-            raise ConfigError(  # differentiable again
-                "model.ops=triton reads the filter table differentiably once only; force "
-                "training (optim.forces_weight > 0) needs model.ops=torch"
-            )
         x, edge_index, dist, edge_mask, values, slopes = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph: the kernel's gradients are not
+            return _differentiable_backward(ctx, grad)  # differentiable again
         source = _FilterSource(x, table=(dist, edge_mask, values, slopes, ctx.cutoff))
         need_x, _, need_dist, _, need_values, need_slopes, _ = ctx.needs_input_grad
         needs = (need_x, need_values or need_slopes, need_dist)
@@ -142,6 +144,29 @@ class _TableConv(torch.autograd.Function):
             grad, x, edge_index, dist.shape[0], source, needs
         )
         return grad_x, None, grad_dist, None, grad_values, grad_slopes, None
+
+
+def _differentiable_backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
+    """:class:`_TableConv`'s gradients by recomputing the convolution in the torch flavour's
+    ops (:func:`~.torch_ops.table_conv_unfused`) from the saved inputs and differentiating
+    it with ``create_graph``: the gradients are then functions of x, dist, values, slopes and
+    ``grad`` that autograd differentiates again (force training's double backward, unfused).
+
+    The inputs enter the recomputation through ``view_as``: fresh graph nodes, so that
+    ``autograd.grad`` captures only the direct dependence. Without them the gradient for
+    ``dist`` also took the path through x (a later block's x depends on the same edge
+    lengths through the earlier blocks): forces 17% off."""
+    x, edge_index, dist, edge_mask, values, slopes = ctx.saved_tensors
+    need_x, _, need_dist, _, need_values, need_slopes, _ = ctx.needs_input_grad
+    inputs = tuple(t.view_as(t) for t in (x, dist, values, slopes))
+    x, dist, values, slopes = inputs
+    wanted = [i for i, need in enumerate((need_x, need_dist, need_values, need_slopes)) if need]
+    out = table_conv_unfused(x, edge_index, dist, edge_mask.bool(), values, slopes, ctx.cutoff)
+    grads = torch.autograd.grad(out, [inputs[i] for i in wanted], grad, create_graph=True)
+    found: list[Tensor | None] = [None] * 4
+    for i, g in zip(wanted, grads):
+        found[i] = g
+    return found[0], None, found[1], None, found[2], found[3], None
 
 
 def pair_symmetric_conv(x: Tensor, edge_index: Tensor, filt: Tensor) -> Tensor:
@@ -169,7 +194,8 @@ def table_conv(
 
     x [N, F]; edge_index [2, E] (row 0 source j, row 1 receiver i); dist and edge_mask [E']
     with E' = E, or E' = E / 2 for pair-symmetric storage (edge p + E' is pair p reversed and
-    shares its filter). Returns [N, F]; differentiable (once) in x, dist, values and slopes.
+    shares its filter). Returns [N, F]; differentiable in x, dist, values and slopes, twice
+    under ``create_graph`` (whose backward is the torch flavour's unfused ops).
     """
     rows, edges = dist.shape[0], edge_index.shape[1]
     if edges not in (rows, 2 * rows):
