@@ -153,3 +153,28 @@ def test_force_training_equals_unfused_ops(structures, data, dtype, monkeypatch)
             (got - want).detach().abs().max() / want.detach().abs().max().clamp(min=1e-30)
         )
         assert np.isfinite(error) and error <= tolerance, (name, error)
+
+
+@pytest.mark.skipif(not fused_table.CUSTOM_OPS, reason="torch.library.custom_op: torch >= 2.4")
+def test_compiled_table_conv_keeps_the_fused_loops(monkeypatch):
+    """torch.compile (fullgraph, AOTAutograd with fake tensors) of the torch flavour's
+    table_conv: one graph around the custom ops, the loops run, eager's output and grads."""
+    from schnet_ipu.model.ops import torch_ops
+
+    x, edge_index, _, _, t, mask = small_conv_inputs(True, seed=2)
+    values = torch.randn(6, 3, dtype=torch.float64)
+    dist = torch.rand(t.shape[0], dtype=torch.float64) * 5.0
+    leaves = [a.clone().requires_grad_(True) for a in (x, dist, values, values.flip(0))]
+    calls = []
+    run_forward = fused_table._run_forward
+    monkeypatch.setattr(fused_table, "_run_forward", lambda *a: calls.append(1) or run_forward(*a))
+
+    def loss(x, dist, values, slopes):
+        out = torch_ops.table_conv(x, edge_index, dist, mask, values, slopes, 5.0)
+        return out.square().sum()
+
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    results = [torch.autograd.grad(run(*leaves), leaves) for run in (compiled, loss)]
+    assert len(calls) >= 2  # the compiled call and the eager one both ran the loop
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
