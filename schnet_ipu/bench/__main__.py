@@ -9,7 +9,9 @@ PyG's SchNet), replication (replicas x gradient reduction), gpu (full QM9 epochs
 stock PyG on a GPU), dense (dense vs sparse message passing), balance (cost-model grouping
 across replicas), calculator (a model file in use: ASE calculator and exported-file latency,
 MD steps per second), accuracy (test MAE after ``--minutes`` of training, ours against
-stock PyG SchNet). Each prints a table and writes ``SUITE.json``, ``SUITE.md`` and
+stock PyG SchNet), forces (energy + force training for ``--minutes`` on a force config's
+frames, ours against schnetpack 2.1.1: ``--config``, ``--set``, ``--variant``, ``--parallel``).
+Each prints a table and writes ``SUITE.json``, ``SUITE.md`` and
 ``SUITE.png`` in ``--out-dir``; the report records the command that made it.
 """
 
@@ -21,6 +23,7 @@ import logging
 import shlex
 import sys
 
+from schnet_ipu.bench import forces_vs_schnetpack as forces_suite
 from schnet_ipu.bench.common import QM9_STORE, write_report
 from schnet_ipu.errors import run_cli
 
@@ -37,6 +40,7 @@ SUITES = (
     "balance",
     "calculator",
     "accuracy",
+    "forces",
 )
 
 
@@ -52,9 +56,24 @@ def main(argv: list[str] | None = None) -> dict:
         "--subset", type=int, default=None, help="gpu and accuracy suites: molecules used"
     )
     parser.add_argument(
-        "--minutes", type=float, default=None, help="accuracy suite: minutes each side (10)"
+        "--minutes",
+        type=float,
+        default=None,
+        help="accuracy and forces suites: minutes each side (10; forces 1.5)",
     )
-    parser.add_argument("--set", action="append", default=[], help="gpu suite: key=value")
+    parser.add_argument(
+        "--set", action="append", default=[], help="gpu and forces suites: key=value"
+    )
+    parser.add_argument("--config", default=None, help="forces suite: a force config")
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help="forces suite: another row of ours, 'NAME: key=value ...' (repeatable)",
+    )
+    parser.add_argument(
+        "--parallel", type=int, default=None, help="forces suite: sides at a time (2)"
+    )
     parser.add_argument(
         "--molecules-per-step", type=int, default=None, help="gpu suite: ours, about (32)"
     )
@@ -70,12 +89,25 @@ def main(argv: list[str] | None = None) -> dict:
         "profile": args.profile,
     }
     gpu_options = {key: value for key, value in gpu_options.items() if value is not None}
-    if args.suite == "accuracy":
+    forces_only = args.config is not None or args.variant or args.parallel is not None
+    if forces_only and args.suite != "forces":
+        parser.error("--config, --variant and --parallel are forces suite options")
+    if args.suite == "forces":
+        options = {
+            "minutes": args.minutes or 1.5,
+            "config": args.config or forces_suite.DEFAULT_CONFIG,
+            "overrides": args.set,
+            "variants": args.variant,
+            "parallel": args.parallel or 2,
+            "out_dir": args.out_dir,
+        }
+        gpu_options = {k: v for k, v in gpu_options.items() if k != "overrides"}
+    elif args.suite == "accuracy":
         gpu_options.pop("subset", None)
         options = {"minutes": args.minutes or 10.0, "subset": args.subset or 0}
         options["out_dir"] = args.out_dir
     elif args.minutes is not None:
-        parser.error("--minutes is an accuracy suite option")
+        parser.error("--minutes is an accuracy and forces suite option")
     else:
         options = gpu_options
     if gpu_options and args.suite != "gpu":

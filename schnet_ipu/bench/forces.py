@@ -1,4 +1,6 @@
-"""Step time of force training against energy-only training, side by side.
+"""Step time of force training against energy-only training, side by side; and the
+``forces`` suite of ``python -m schnet_ipu.bench`` (ours against schnetpack at equal wall
+time, :mod:`schnet_ipu.bench.forces_vs_schnetpack`).
 
     python -m schnet_ipu.bench.forces --config configs/emt_forces.yaml [key=value ...]
 
@@ -24,9 +26,12 @@ from pathlib import Path
 import torch
 
 from schnet_ipu.backends.distributed import ReplicaInfo
+from schnet_ipu.bench.forces_vs_schnetpack import COLUMNS, PLOT, run  # the suite
 from schnet_ipu.components import make_trainer
 from schnet_ipu.config import load_config
 from schnet_ipu.pipeline import make_loader, prepare_data
+
+__all__ = ["COLUMNS", "PLOT", "main", "run"]
 
 # name -> (forces_weight, op flavour, model.filter, backend.compile); force steps are not
 # compiled (AOTAutograd refuses a double backward)

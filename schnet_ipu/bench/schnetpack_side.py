@@ -1,0 +1,274 @@
+"""schnetpack 2.1.1's SchNet trained on energies and forces for M minutes: the peer of
+``python -m schnet_ipu.bench forces``.
+
+schnetpack is a bench-only optional extra (``pip install -e .[bench]``; see pyproject.toml for
+why its own pins are bypassed). Nothing outside this module imports it, and this module imports
+it only inside :func:`train_schnetpack`, which runs in a child process of the suite.
+
+The recipe is schnetpack's stock MD17-style force recipe, read from schnetpack v2.1.1:
+
+* data: ``schnetpack.data.ASEAtomsData`` (an ASE db written here from the suite's store, same
+  frames, same split through ``split.npz``) in ``schnetpack.data.AtomsDataModule``, batch 10,
+  with the transforms of ``src/schnetpack/configs/experiment/md17.yaml``: SubtractCenterOfMass,
+  RemoveOffsets(energy, remove_mean), MatScipyNeighborList(cutoff), CastTo32. The energies'
+  atom references are the same per-element least-squares fit our trainer subtracts
+  (``remove_atomrefs``, as schnetpack's QM9 recipe does): MD17 is one molecule, where the mean
+  alone suffices, but these sets mix compositions;
+* model: ``NeuralNetworkPotential`` of PairwiseDistances, ``representation.SchNet`` (our
+  config's features, filters, interactions; ``nn.GaussianRBF`` of our Gaussians; CosineCutoff
+  at our cutoff), ``atomistic.Atomwise`` (sum) and ``atomistic.Forces``
+  (``examples/tutorials/tutorial_03_force_models.ipynb``);
+* task: ``AtomisticTask`` with MSE ``ModelOutput`` s weighted 0.01 (energy) and 0.99 (forces),
+  AdamW at 5e-4, and the plateau schedule of
+  ``src/schnetpack/configs/task/scheduler/reduce_on_plateau.yaml`` (factor 0.5, patience 75,
+  cooldown 10, threshold 0, monitor val_loss) as torch's own ``ReduceLROnPlateau``
+  (schnetpack's wrapper passes ``verbose``, which torch 2.13 no longer takes); no EMA;
+* loop: ``pytorch_lightning.Trainer`` as ``src/schnetpack/configs/trainer/default_trainer.yaml``
+  sets it (validation every epoch, no sanity steps, ``inference_mode=False``) with
+  ``max_time`` = M minutes (Lightning's timer counts from the start of training, so data
+  setup is outside, validation inside, as our ``optim.max_minutes`` counts), one torch thread
+  and no loader workers (the same one core our side gets); the best-validation weights (as
+  ``callbacks/checkpoint.yaml`` keeps) are tested.
+
+Errors are computed here the way our trainer computes its own (:mod:`schnet_ipu.task`):
+energy MAE per structure (eV) and per atom, force MAE per component (eV/A).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+import typing
+from pathlib import Path
+
+import numpy as np
+import torch
+
+SCHNETPACK_VERSION = "2.1.1"
+BATCH_SIZE = 10
+LEARNING_RATE = 5e-4
+LOSS_WEIGHTS = {"energy": 0.01, "forces": 0.99}
+PLATEAU = {  # configs/task/scheduler/reduce_on_plateau.yaml, less schnetpack's smoothing_factor
+    "mode": "min",
+    "factor": 0.5,
+    "patience": 75,
+    "threshold": 0.0,
+    "threshold_mode": "rel",
+    "cooldown": 10,
+    "min_lr": 0.0,
+}
+ZMAX = 100  # length of schnetpack's atom-reference table (RemoveOffsets' zmax)
+
+
+def import_schnetpack():
+    """``schnetpack``, after the one shim torch 2.13 needs: ``schnetpack/data/loader.py``
+    imports ``T_co`` from ``torch.utils.data.dataloader``, which no longer defines it."""
+    import torch.utils.data.dataloader as dataloader
+
+    if not hasattr(dataloader, "T_co"):
+        dataloader.T_co = typing.TypeVar("T_co", covariant=True)
+    import schnetpack
+
+    return schnetpack
+
+
+def write_database(frames: dict, atomrefs: np.ndarray, path: Path) -> None:
+    """The frames (``z``, ``pos``, ``energy``, ``forces``, ``cell``, ``pbc`` lists, store order)
+    as schnetpack's ASE db at ``path``, energies in eV and forces in eV/A."""
+    from ase import Atoms
+
+    spk = import_schnetpack()
+    dataset = spk.data.ASEAtomsData.create(
+        str(path),
+        distance_unit="Ang",
+        property_unit_dict={"energy": "eV", "forces": "eV/Ang"},
+        atomrefs={"energy": atomrefs[:ZMAX].tolist()},
+    )
+    atoms = [
+        Atoms(numbers=z, positions=pos, cell=cell, pbc=pbc)
+        for z, pos, cell, pbc in zip(frames["z"], frames["pos"], frames["cell"], frames["pbc"])
+    ]
+    properties = [
+        {"energy": np.array([energy]), "forces": forces}
+        for energy, forces in zip(frames["energy"], frames["forces"])
+    ]
+    dataset.add_systems(properties, atoms)
+
+
+def build_task(spk, model_cfg):
+    """schnetpack's SchNet force field of our model's size, and its AtomisticTask."""
+    import torchmetrics
+
+    features = model_cfg.hidden_channels
+    schnet = spk.representation.SchNet(
+        n_atom_basis=features,
+        n_interactions=model_cfg.num_interactions,
+        n_filters=model_cfg.num_filters,
+        radial_basis=spk.nn.GaussianRBF(n_rbf=model_cfg.num_gaussians, cutoff=model_cfg.cutoff),
+        cutoff_fn=spk.nn.CosineCutoff(model_cfg.cutoff),
+    )
+    model = spk.model.NeuralNetworkPotential(
+        representation=schnet,
+        input_modules=[spk.atomistic.PairwiseDistances()],
+        output_modules=[
+            spk.atomistic.Atomwise(n_in=features, output_key="energy", aggregation_mode="sum"),
+            spk.atomistic.Forces(energy_key="energy", force_key="forces"),
+        ],
+        postprocessors=[
+            spk.transform.CastTo64(),
+            spk.transform.AddOffsets("energy", add_mean=True, add_atomrefs=True),
+        ],
+    )
+    outputs = [
+        spk.task.ModelOutput(
+            name=name,
+            loss_fn=torch.nn.MSELoss(),
+            loss_weight=weight,
+            metrics={"MAE": torchmetrics.MeanAbsoluteError()},
+        )
+        for name, weight in LOSS_WEIGHTS.items()
+    ]
+    return spk.task.AtomisticTask(
+        model=model,
+        outputs=outputs,
+        optimizer_cls=torch.optim.AdamW,
+        optimizer_args={"lr": LEARNING_RATE},
+        scheduler_cls=torch.optim.lr_scheduler.ReduceLROnPlateau,
+        scheduler_args=dict(PLATEAU),
+        scheduler_monitor="val_loss",
+    )
+
+
+def split_errors(spk, task, loader) -> dict[str, float]:
+    """Energy MAE (eV per structure, eV per atom), force MAE (eV/A per component) and the
+    task's loss (batch-size weighted, as Lightning averages ``val_loss``) of the task's model
+    on ``loader``'s batches: targets as the transforms leave them, predictions before
+    postprocessing, as ``AtomisticTask.test_step`` compares them (the model writes its
+    outputs into the batch, so the targets are taken first)."""
+    sums = dict.fromkeys(("energy", "per_atom", "forces", "loss"), 0.0)
+    structures, components = 0, 0
+    task.eval()
+    for batch in loader:
+        energy, forces = batch["energy"].clone(), batch["forces"].clone()
+        atoms = batch[spk.properties.n_atoms].clone()
+        pred = task.predict_without_postprocessing(batch)
+        energy_error = (pred["energy"].detach() - energy).double()
+        force_error = (pred["forces"].detach() - forces).double()
+        sums["energy"] += float(energy_error.abs().sum())
+        sums["per_atom"] += float((energy_error.abs() / atoms).sum())
+        sums["forces"] += float(force_error.abs().sum())
+        loss = LOSS_WEIGHTS["energy"] * energy_error.square().mean()
+        loss += LOSS_WEIGHTS["forces"] * force_error.square().mean()
+        sums["loss"] += float(loss) * len(energy)
+        structures += len(energy)
+        components += forces.numel()
+    task.train()
+    return {
+        "mae": sums["energy"] / structures,
+        "energy_mae_per_atom": sums["per_atom"] / structures,
+        "force_mae": sums["forces"] / components,
+        "loss": sums["loss"] / structures,
+    }
+
+
+def train_schnetpack(model_cfg, database: Path, split_file: Path, minutes: float) -> dict:
+    """Train for ``minutes`` (see the module docstring); a result row with the curve of
+    validation errors against seconds of training."""
+    import pytorch_lightning as pl
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    spk = import_schnetpack()
+    transforms = [
+        spk.transform.SubtractCenterOfMass(),
+        spk.transform.RemoveOffsets("energy", remove_mean=True, remove_atomrefs=True),
+        spk.transform.MatScipyNeighborList(cutoff=model_cfg.cutoff),
+        spk.transform.CastTo32(),
+    ]
+    data = spk.data.AtomsDataModule(
+        str(database),
+        batch_size=BATCH_SIZE,
+        split_file=str(split_file),
+        transforms=transforms,
+        num_workers=0,
+        pin_memory=False,
+    )
+    data.prepare_data()
+    data.setup()
+    task = build_task(spk, model_cfg)
+    recorder = make_recorder()
+    trainer = pl.Trainer(
+        max_time={"seconds": 60.0 * minutes},
+        max_epochs=100000,
+        accelerator="cpu",
+        devices=1,
+        num_sanity_val_steps=0,
+        inference_mode=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[recorder],
+    )
+    trainer.fit(task, datamodule=data)
+    # Lightning stops at max_time mid-epoch without validating: the final weights are
+    # validated here (outside the budget) and kept if they are the best
+    final = split_errors(spk, task, data.val_dataloader())
+    recorder.curve.append((recorder.seconds(), final["force_mae"], final["mae"]))
+    if final["loss"] >= recorder.best_loss:
+        task.load_state_dict(recorder.best_state)
+    test = split_errors(spk, task, data.test_dataloader())
+    return {
+        "name": f"schnetpack {SCHNETPACK_VERSION}",
+        **{f"test_{key}": value for key, value in test.items()},
+        "structures_per_s": recorder.structures / max(recorder.train_seconds, 1e-9),
+        "structures_seen": recorder.structures,
+        "epochs": recorder.structures / len(data.train_dataset),
+        "seconds": recorder.seconds(),
+        "curve": recorder.curve,
+        "recipe": f"batch {BATCH_SIZE}, AdamW {LEARNING_RATE}, loss weights "
+        f"{LOSS_WEIGHTS['energy']}/{LOSS_WEIGHTS['forces']}, plateau (patience 75 epochs)",
+    }
+
+
+def make_recorder():
+    """A Lightning callback (Lightning is imported only here) that counts training structures
+    and the seconds of training batches (data loading included, validation not), and keeps
+    the best-validation weights and the validation curve."""
+    import pytorch_lightning as pl
+
+    class Recorder(pl.Callback):
+        def __init__(self) -> None:
+            self.structures = 0
+            self.train_seconds = 0.0
+            self.curve: list[tuple[float, float, float]] = []  # (s, force MAE, energy MAE)
+            self.best_loss = float("inf")
+            self.best_state: dict | None = None
+            self._start = 0.0
+            self._last = 0.0
+
+        def seconds(self) -> float:
+            return time.perf_counter() - self._start
+
+        def on_train_start(self, trainer, task) -> None:
+            self._start = time.perf_counter()
+            self.best_state = copy.deepcopy(task.state_dict())
+
+        def on_train_epoch_start(self, trainer, task) -> None:
+            self._last = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, task, outputs, batch, batch_idx) -> None:
+            now = time.perf_counter()
+            self.train_seconds += now - self._last
+            self._last = now
+            self.structures += len(batch["_idx"])
+
+        def on_validation_end(self, trainer, task) -> None:  # the epoch's metrics are in
+            metrics = trainer.callback_metrics
+            loss = float(metrics["val_loss"])
+            forces, energy = float(metrics["val_forces_MAE"]), float(metrics["val_energy_MAE"])
+            self.curve.append((self.seconds(), forces, energy))
+            if loss < self.best_loss:
+                self.best_loss, self.best_state = loss, copy.deepcopy(task.state_dict())
+
+    return Recorder()
