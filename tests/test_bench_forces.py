@@ -52,6 +52,7 @@ def tiny(tmp_path_factory):
             "model.num_interactions=1",
             "model.num_gaussians=8",
             "optim.warmup_steps=0",
+            "optim.beat_baseline=false",  # a 3-second smoke run, too short to learn
             "packing.max_nodes=16",
             "packing.packs_per_batch=2",
         ],
