@@ -37,7 +37,7 @@ except ImportError:  # the fused table loop is then absent too
     numba = None
 
 from schnet_ipu.config import ConfigError
-from schnet_ipu.data.ase_files import check_frame, frame_cell, read_frames
+from schnet_ipu.data.ase_files import check_frame, frame_cell, read_frames, write_extxyz
 from schnet_ipu.data.periodic_pairs import frame_pairs
 from schnet_ipu.errors import CheckpointError
 from schnet_ipu.model_file import ModelSpec, load_trained
@@ -186,7 +186,6 @@ def predict_file(models: ModelPaths, input_path: Path, out: Path) -> int:
     (extxyz) with ``info["energy"]`` and ``arrays["forces"]``, ``info["stress"]`` (Voigt)
     for periodic frames, plus ``info["energy_std"]`` and ``arrays["forces_std"]`` for an
     ensemble. Returns the frame count."""
-    import ase.io
     from ase import Atoms
 
     frames = read_frames(input_path)
@@ -208,10 +207,7 @@ def predict_file(models: ModelPaths, input_path: Path, out: Path) -> int:
             written_atoms.info["energy_std"] = result.energy_std
             written_atoms.arrays["forces_std"] = result.forces_std
         written.append(written_atoms)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    ase.io.write(tmp, written, format="extxyz")
-    tmp.replace(out)
+    write_extxyz(written, out)
     return len(written)
 
 

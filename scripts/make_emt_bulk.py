@@ -24,12 +24,13 @@ import logging
 import sys
 from pathlib import Path
 
-import ase.io
 import numpy as np
 from ase import Atoms
 from ase.build import bulk, fcc100, fcc111
 from ase.calculators.emt import EMT
 from ase.calculators.singlepoint import SinglePointCalculator
+
+from schnet_ipu.data.ase_files import write_extxyz
 
 # EMT's fcc lattice constants in Angstrom (its equilibrium, close to experiment)
 LATTICE = {"Cu": 3.59, "Ni": 3.51, "Pd": 3.94, "Ag": 4.06, "Pt": 3.93, "Au": 4.07}
@@ -110,10 +111,7 @@ def main(argv: list[str]) -> int:
     frames = make_frames(
         args.frames, args.strain, args.rattle, args.seed, slab_stress=not args.no_slab_stress
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_name(f".{args.out.name}.tmp")
-    ase.io.write(tmp, frames, format="extxyz")
-    tmp.replace(args.out)
+    write_extxyz(frames, args.out)
     atoms = sum(len(f) for f in frames)
     logging.info("wrote %d frames (%d atoms) to %s", len(frames), atoms, args.out)
     return 0

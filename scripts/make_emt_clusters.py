@@ -16,12 +16,13 @@ import logging
 import sys
 from pathlib import Path
 
-import ase.io
 import numpy as np
 from ase import Atoms
 from ase.calculators.emt import EMT
 from ase.calculators.singlepoint import SinglePointCalculator
 from ase.optimize import BFGS
+
+from schnet_ipu.data.ase_files import write_extxyz
 
 ELEMENTS = ("Cu", "Pt", "Au")
 MIN_DISTANCE = 2.2  # Angstrom, closest start distance
@@ -77,10 +78,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     frames = make_frames(args.clusters, args.frames, args.rattle, args.seed)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_name(f".{args.out.name}.tmp")
-    ase.io.write(tmp, frames, format="extxyz")
-    tmp.replace(args.out)
+    write_extxyz(frames, args.out)
     atoms = sum(len(f) for f in frames)
     logging.info("wrote %d frames (%d atoms) to %s", len(frames), atoms, args.out)
     return 0

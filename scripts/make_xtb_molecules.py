@@ -27,13 +27,13 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before tblite's OpenMP runtime starts
 
-import ase.io
 import numpy as np
 from ase import Atoms
 from ase.calculators.singlepoint import SinglePointCalculator
 from ase.optimize import BFGS
 from tqdm import tqdm
 
+from schnet_ipu.data.ase_files import write_extxyz
 from schnet_ipu.data.qm9 import QM9PACK_FILES, qm9pack_dir
 
 METHOD = "GFN2-xTB"
@@ -92,10 +92,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     frames = make_frames(args.molecules, args.frames, args.rattle, args.seed)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_name(f".{args.out.name}.tmp")
-    ase.io.write(tmp, frames, format="extxyz")
-    tmp.replace(args.out)
+    write_extxyz(frames, args.out)
     atoms = sum(len(f) for f in frames)
     logging.info("wrote %d frames (%d atoms) to %s", len(frames), atoms, args.out)
     return 0

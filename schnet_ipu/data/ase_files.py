@@ -309,3 +309,14 @@ def import_ase(
         },
         origin=", ".join(str(f) for f in files),
     )
+
+
+def write_extxyz(frames: Sequence, out: Path) -> None:
+    """Write ``frames`` (ASE ``Atoms``) to ``out`` as extxyz through a temporary file beside it,
+    renamed at the end, so an interrupted write never leaves half a file under ``out``'s name."""
+    import ase.io
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    ase.io.write(tmp, list(frames), format="extxyz")
+    tmp.replace(out)
