@@ -4,7 +4,6 @@ nothing changed on disk (every file hashed before and after), no code run from a
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import re
@@ -16,6 +15,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
+from helpers import load_script
 
 from schnet_ipu.data import MoleculeStore, edge_counts, load_or_make_split, write_store
 from schnet_ipu.data.__main__ import main as data_cli
@@ -26,14 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MOLECULES, VAL, TEST = 96, 16, 16
 
 
-def load_train_module():
-    spec = importlib.util.spec_from_file_location("train_cli", ROOT / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-train_cli = load_train_module()
+train_cli = load_script("train.py")
 
 
 # The runs here set backend.threads=1 (a tiny model steps ~4x faster on one thread of a busy

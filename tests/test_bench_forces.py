@@ -3,13 +3,13 @@ its peer are the store's, in the files' order, and our side's row on a tiny EMT 
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from pathlib import Path
 
 import ase.io
 import numpy as np
 import pytest
+from helpers import load_script
 
 from schnet_ipu.bench.forces_vs_schnetpack import (
     force_config,
@@ -25,20 +25,13 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("restore_threads")
 
 
-def make_emt_clusters():
-    spec = importlib.util.spec_from_file_location(
-        "make_emt_clusters", ROOT / "scripts/make_emt_clusters.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A 24-frame EMT cluster set and a small force config on it."""
     root = tmp_path_factory.mktemp("emt")
-    frames = make_emt_clusters().make_frames(6, 4, rattle=0.1, seed=3, sizes=(4, 8))
+    frames = load_script("scripts/make_emt_clusters.py").make_frames(
+        6, 4, rattle=0.1, seed=3, sizes=(4, 8)
+    )
     ase.io.write(root / "emt.extxyz", frames, format="extxyz")
     cfg = force_config(
         ROOT / "configs/emt_forces.yaml",

@@ -5,25 +5,22 @@ with one line; and a run that does not beat the dressed-atom baseline does not e
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import re
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import load_script
+from test_budget import Killed, kill_after_first_checkpoint
 
-from schnet_ipu import training
 from schnet_ipu.config import load_config
 from schnet_ipu.data import import_qm9
 from schnet_ipu.runlog import read_records
 from schnet_ipu.training import TrainingError, train
 
 pytestmark = pytest.mark.usefixtures("restore_threads")
-ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("train_cli", ROOT / "train.py")
-train_cli = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(train_cli)
+train_cli = load_script("train.py")
 
 # A warm-up far longer than the run raises the learning rate by 0.004 a step: the first
 # validations pass (best.pt is written), then the loss blows up in epoch 2 (at step 21 of 9
@@ -63,10 +60,6 @@ def tiny(store: Path, run_dir: Path, *extra: str) -> list[str]:
     ]
 
 
-class Killed(BaseException):
-    """A simulated kill: nothing in the program catches it."""
-
-
 def guard_lines(messages: list[str]) -> list[re.Match]:
     return [m for m in map(LINE.search, messages) if m]
 
@@ -103,15 +96,7 @@ def test_a_resumed_run_rolls_back_exactly_as_an_uninterrupted_one(store, tmp_pat
     rollbacks = read_records(tmp_path / "whole/metrics.jsonl", "rollback")
     assert rollbacks and rollbacks[0]["epoch"] >= 1  # after the first checkpoint
 
-    save = training.save_checkpoint
-
-    def killed_after_first(path, state):
-        save(path, state)
-        if path.name == "last.pt":
-            monkeypatch.setattr(training, "save_checkpoint", save)
-            raise Killed
-
-    monkeypatch.setattr(training, "save_checkpoint", killed_after_first)
+    kill_after_first_checkpoint(monkeypatch)
     run_dir = tmp_path / "resumed"
     with pytest.raises(Killed):
         train(load_config(None, tiny(store, run_dir, *args)))

@@ -3,7 +3,6 @@ periodic Atoms (calculator stress against ASE's finite differences, supercells, 
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import pytest
 import torch
 from ase.build import bulk
 from ase.calculators.fd import calculate_numerical_stress
+from helpers import load_script
 
 from schnet_ipu.calculator import SchNetCalculator
 from schnet_ipu.config import ConfigError, load_config
@@ -25,19 +25,14 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("restore_threads")
 
 
-def make_emt_bulk():
-    spec = importlib.util.spec_from_file_location(
-        "make_emt_bulk", ROOT / "scripts/make_emt_bulk.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def frames_file(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("bulk") / "bulk.extxyz"
-    ase.io.write(path, make_emt_bulk().make_frames(48, 0.03, 0.05, seed=1), format="extxyz")
+    ase.io.write(
+        path,
+        load_script("scripts/make_emt_bulk.py").make_frames(48, 0.03, 0.05, seed=1),
+        format="extxyz",
+    )
     return path
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import load_script
 
 from schnet_ipu.data import write_store
 from schnet_ipu.errors import run_cli
@@ -203,11 +204,7 @@ def test_nested_holds_share_one_lock_and_other_ranks_hold_none(tmp_path):
 def test_evaluate_and_predict_into_a_held_folder_are_refused(tmp_path, capsys):
     """They write pictures / predictions into the run folder; predict --out elsewhere only
     reads the run and goes on (here to a missing checkpoint)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("train_cli", ROOT / "train.py")
-    train_cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train_cli)
+    train_cli = load_script("train.py")
     run_dir = tmp_path / "run"
     other = hold_elsewhere(run_dir)
     try:
