@@ -45,6 +45,10 @@ class CheckpointError(UserError, ValueError):
     """A checkpoint file that cannot be used (unreadable, unsafe or from another program)."""
 
 
+class TrainingError(UserError, RuntimeError):
+    """Training cannot go on (a non-finite loss, say); the last good checkpoint is kept."""
+
+
 class RunDirError(UserError, ValueError):
     """A run directory's logs that cannot be used as they are."""
 

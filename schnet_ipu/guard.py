@@ -31,7 +31,7 @@ restores ``validated``; the learning rate
 is multiplied by ``optim.spike_lr_factor`` from then on (the scheduler's base rate, so later
 checkpoints keep it), one line is logged, and training goes on from where the data stood (the
 data order and the schedule's clock are not rewound). A spike after ``optim.spike_rollbacks``
-rollbacks stops the run with :class:`~schnet_ipu.run_state.TrainingError` naming the step and
+rollbacks stops the run with :class:`~schnet_ipu.errors.TrainingError` naming the step and
 the learning rate; ``best.pt`` stays. At the end, :func:`check_beats_baseline` fails a run
 whose test MAE does not beat the dressed-atom baseline (``optim.beat_baseline``).
 
@@ -54,7 +54,7 @@ from torch import Tensor, nn
 
 from schnet_ipu.budget import WeightAverage
 from schnet_ipu.config import OptimConfig
-from schnet_ipu.run_state import TrainingError
+from schnet_ipu.errors import TrainingError
 
 log = logging.getLogger("schnet_ipu")
 

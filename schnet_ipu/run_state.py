@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -32,14 +32,8 @@ from schnet_ipu.checkpoint import (
     set_rng_state,
 )
 from schnet_ipu.config import Config
-from schnet_ipu.errors import UserError
-
-if TYPE_CHECKING:  # the guard raises TrainingError, defined here
-    from schnet_ipu.guard import SpikeGuard
-
-
-class TrainingError(UserError, RuntimeError):
-    """Training cannot go on (a non-finite loss, say); the last good checkpoint is kept."""
+from schnet_ipu.errors import TrainingError
+from schnet_ipu.guard import SpikeGuard
 
 
 @dataclass
