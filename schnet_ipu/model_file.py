@@ -27,7 +27,7 @@ from schnet_ipu.checkpoint import load_checkpoint, restoring
 from schnet_ipu.config import ConfigError, ModelConfig
 from schnet_ipu.errors import CheckpointError
 from schnet_ipu.model import SchNet
-from schnet_ipu.model.schnet import NUM_ELEMENTS
+from schnet_ipu.model.schnet import EMBEDDING_ROWS
 from schnet_ipu.task import TargetTransform, task_from_dict
 
 log = logging.getLogger("schnet_ipu")
@@ -66,7 +66,7 @@ class ModelSpec:
             max_nodes_per_pack=self.max_nodes_per_pack,
             mean=self.mean,
             std=self.std,
-            atomref=torch.zeros(NUM_ELEMENTS),  # the trained reference is in the weights
+            atomref=torch.zeros(EMBEDDING_ROWS),  # the trained reference is in the weights
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -45,11 +45,12 @@ from torch import Tensor, nn
 from torch.nn import Embedding, Linear
 
 from schnet_ipu.cell_list import neighbour_pairs
+from schnet_ipu.model.filter_table import filter_table, hermite_coefficients
+from schnet_ipu.model.ops import fused_table
+from schnet_ipu.model.schnet import EMBEDDING_ROWS
 
 if TYPE_CHECKING:
     from schnet_ipu.model_file import TrainedModel
-
-NUM_ELEMENTS = 100  # embedding rows, as the training model (row 0 is its padding atom)
 
 
 class ShiftedSoftplus(nn.Module):
@@ -161,14 +162,12 @@ class FusedTableInteraction(Interaction):
         t: Tensor,
         symmetric: bool,
     ) -> Tensor:
-        from schnet_ipu.model.ops.fused_table import fused_table_conv
-
         if symmetric:  # the loop's pair-symmetric layout: edges P.. 2P-1 reverse 0.. P-1
             edge_index = torch.stack([torch.cat([source, receiver]), torch.cat([receiver, source])])
         else:
             edge_index = torch.stack([source, receiver])
         mask = torch.ones(interval.shape[0], dtype=torch.bool)
-        return fused_table_conv(x, edge_index, self.coefficients, interval, t, mask)
+        return fused_table.fused_table_conv(x, edge_index, self.coefficients, interval, t, mask)
 
 
 class PortableSchNet(nn.Module):
@@ -217,10 +216,10 @@ class PortableSchNet(nn.Module):
         )
         self.unit = unit
         self.filter_points = filter_points
-        known = torch.zeros(NUM_ELEMENTS + 19, dtype=torch.bool)  # indexed by z up to 118
+        known = torch.zeros(len(atom_reference), dtype=torch.bool)  # [119], indexed by z
         known[torch.tensor(elements, dtype=torch.long)] = True
         self.register_buffer("known", known, persistent=False)
-        self.embedding = Embedding(NUM_ELEMENTS, hidden_channels, padding_idx=0)
+        self.embedding = Embedding(EMBEDDING_ROWS, hidden_channels, padding_idx=0)
         self.distance_expansion = DistanceExpansion(cutoff, num_gaussians)
         block = FusedTableInteraction if fused else Interaction
         self.interactions = nn.ModuleList(
@@ -229,7 +228,7 @@ class PortableSchNet(nn.Module):
         self.lin1 = Linear(hidden_channels, hidden_channels // 2)
         self.act = ShiftedSoftplus()
         self.lin2 = Linear(hidden_channels // 2, 1)
-        self.atomref = Embedding(NUM_ELEMENTS, 1)
+        self.atomref = Embedding(EMBEDDING_ROWS, 1)
 
     @classmethod
     def from_trained(
@@ -238,9 +237,6 @@ class PortableSchNet(nn.Module):
         """The portable twin of a loaded checkpoint in ``dtype`` (eval mode): its weights,
         and for a tabulated filter the table computed in float64. ``fused``: the table
         convolution as numba's loop when numba is importable (not for export)."""
-        from schnet_ipu.model.filter_table import filter_table, hermite_coefficients
-        from schnet_ipu.model.ops import fused_table
-
         spec, arch = trained.spec, trained.spec.model
         points = int(arch["filter_points"]) if arch.get("filter") == "table" else 0
         module = cls(

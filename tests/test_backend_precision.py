@@ -13,7 +13,7 @@ from schnet_ipu.backends import TorchBackend, make_backend
 from schnet_ipu.batch import Batch
 from schnet_ipu.config import BackendConfig, ConfigError
 from schnet_ipu.model import SchNet
-from schnet_ipu.model.schnet import GaussianSmearing, ShiftedSoftplus
+from schnet_ipu.model.blocks import GaussianSmearing, ShiftedSoftplus
 from schnet_ipu.task import masked_mse
 
 BATCHES = [make_batch(seed, packs=3) for seed in range(3)]

@@ -20,7 +20,7 @@ from schnet_ipu.bench.model import (
 )
 from schnet_ipu.config import ModelConfig
 from schnet_ipu.model import SchNet
-from schnet_ipu.model.ops import naive_shifted_softplus
+from schnet_ipu.model.ops import FLAVOURS, Ops, get_ops, naive_shifted_softplus
 from schnet_ipu.model.ops.torch_ops import (
     _ShiftedSoftplusFused,
     knn_graph_packed,
@@ -162,8 +162,21 @@ def test_ipu_flavour_equals_torch_flavour(graph, readout):
         pred.square().sum().backward()
         results.append((pred.detach(), [p.grad for p in model.parameters()]))
     torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-10, atol=1e-10)
-    for a, b in zip(results[0][1], results[1][1], strict=True):
+    assert len(results[0][1]) == len(results[1][1])
+    for a, b in zip(results[0][1], results[1][1]):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("name", ["torch", "ipu"])
+def test_op_flavours_conform_to_the_ops_protocol(name):
+    """Every primitive the Protocol names is there, callable, and the flavour knows its name
+    (the triton flavour needs the triton package: its own tests, marker ``triton``)."""
+    ops = get_ops(name)
+    assert isinstance(ops, Ops) and ops.name == name
+    primitives = [n for n in vars(Ops) if not n.startswith("_") and callable(vars(Ops)[n])]
+    assert len(primitives) == 8
+    assert all(callable(getattr(ops, n)) for n in primitives)
+    assert issubclass(FLAVOURS["triton"], FLAVOURS["torch"])  # the rest is the torch flavour's
 
 
 def test_state_dict_names_match_pyg():
@@ -357,7 +370,8 @@ def test_pair_symmetric_filter_equals_per_edge_filter():
         pred.square().sum().backward()
         results.append((pred.detach(), [p.grad.clone() for p in model.parameters()]))
     torch.testing.assert_close(results[0][0], results[1][0])
-    for a, b in zip(results[0][1], results[1][1], strict=True):
+    assert len(results[0][1]) == len(results[1][1])
+    for a, b in zip(results[0][1], results[1][1]):
         torch.testing.assert_close(a, b)
 
 

@@ -97,7 +97,7 @@ def knn_graph_packed(
 
 
 class IpuOps:
-    """The ipu flavour's primitives (see :mod:`schnet_ipu.model.ops`)."""
+    """The ipu flavour's primitives (conforms to :class:`~.interface.Ops`)."""
 
     name = "ipu"
     shifted_softplus = staticmethod(shifted_softplus)

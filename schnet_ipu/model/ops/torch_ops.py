@@ -278,7 +278,7 @@ def knn_graph_packed(
 
 
 class TorchOps:
-    """The torch flavour's primitives (see :mod:`schnet_ipu.model.ops`)."""
+    """The torch flavour's primitives (conforms to :class:`~.interface.Ops`)."""
 
     name = "torch"
     shifted_softplus = staticmethod(shifted_softplus)
