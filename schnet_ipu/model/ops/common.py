@@ -1,4 +1,7 @@
-"""Ops shared by every flavour: they use only what both torch and PopTorch run as written."""
+"""Ops shared by every flavour: they use only what both torch and PopTorch run as written.
+
+:class:`SharedOps` holds them for the flavour classes, which add their own primitives.
+"""
 
 from __future__ import annotations
 
@@ -54,3 +57,10 @@ def cell_offsets(edge_shift: Tensor, cell: Tensor, graph: Tensor, receiver: Tens
     cells = torch.cat([cell, cell.new_zeros((1, 3, 3))])  # [G + 1, 3, 3]
     per_edge = cells.index_select(0, graph.index_select(0, receiver))  # [E, 3, 3]
     return (edge_shift.to(cell.dtype).unsqueeze(-1) * per_edge).sum(1)
+
+
+class SharedOps:
+    """The primitives of :class:`~.interface.Ops` that every flavour takes from here."""
+
+    edge_distance = staticmethod(edge_distance)
+    cell_offsets = staticmethod(cell_offsets)

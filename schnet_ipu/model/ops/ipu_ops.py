@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from schnet_ipu.model.filter_table import hermite_filter
-from schnet_ipu.model.ops.common import LOG2, cell_offsets, edge_distance
+from schnet_ipu.model.ops.common import LOG2, SharedOps, edge_distance
 
 
 def shifted_softplus(x: Tensor) -> Tensor:
@@ -96,7 +96,7 @@ def knn_graph_packed(
     return edge_index, edge_distance(pos, edge_index, edge_mask, cutoff), edge_mask
 
 
-class IpuOps:
+class IpuOps(SharedOps):
     """The ipu flavour's primitives (conforms to :class:`~.interface.Ops`)."""
 
     name = "ipu"
@@ -106,5 +106,3 @@ class IpuOps:
     pair_symmetric_conv = staticmethod(pair_symmetric_conv)
     table_conv = staticmethod(table_conv)
     knn_graph_packed = staticmethod(knn_graph_packed)
-    edge_distance = staticmethod(edge_distance)
-    cell_offsets = staticmethod(cell_offsets)

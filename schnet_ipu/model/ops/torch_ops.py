@@ -17,7 +17,7 @@ from torch import Tensor
 
 from schnet_ipu.model.filter_table import grid_position, hermite_coefficients, hermite_filter
 from schnet_ipu.model.ops import fused_table
-from schnet_ipu.model.ops.common import LOG2, cell_offsets, edge_distance
+from schnet_ipu.model.ops.common import LOG2, SharedOps, edge_distance
 from schnet_ipu.model.ops.common import is_compiling as _is_compiling
 
 
@@ -277,7 +277,7 @@ def knn_graph_packed(
     return edge_index, dist, edge_mask
 
 
-class TorchOps:
+class TorchOps(SharedOps):
     """The torch flavour's primitives (conforms to :class:`~.interface.Ops`)."""
 
     name = "torch"
@@ -287,5 +287,3 @@ class TorchOps:
     pair_symmetric_conv = staticmethod(pair_symmetric_conv)
     table_conv = staticmethod(table_conv)
     knn_graph_packed = staticmethod(knn_graph_packed)
-    edge_distance = staticmethod(edge_distance)
-    cell_offsets = staticmethod(cell_offsets)
