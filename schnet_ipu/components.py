@@ -151,8 +151,6 @@ def restore_config(state: dict[str, Any], path: Path) -> Config:
         cfg = config_from_dict(state["config"])
     except ConfigError as err:
         raise CheckpointError(f"{path}: the config it holds is not valid here: {err}") from err
-    if "filter" not in state["config"].get("model", {}):
-        cfg.model.filter = "exact"  # saved before tables existed, so trained exact
     cfg.backend.replicas = 1
     cfg.loader.workers = 0
     return cfg

@@ -9,13 +9,12 @@ included, plus the atoms per pack and the output scale), the task's parameters (
 transform: atom references and loss scale), the unit, the pack limits, and the elements seen
 in training. Loading stays ``weights_only``: nothing in a model file can run code.
 
-Checkpoints written before model files existed have no spec: they are rebuilt from their
-training store when it is where the run left it, and refused with one line otherwise.
+Checkpoints written before model files existed have no spec: they are refused with one line
+(export them with the release that wrote them, or retrain).
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,8 +28,6 @@ from schnet_ipu.errors import CheckpointError
 from schnet_ipu.model import SchNet
 from schnet_ipu.model.schnet import EMBEDDING_ROWS
 from schnet_ipu.task import TargetTransform, task_from_dict
-
-log = logging.getLogger("schnet_ipu")
 
 SPEC_VERSION = 1
 
@@ -82,6 +79,8 @@ class ModelSpec:
             )
         try:
             spec = cls(**raw)
+            if "filter" not in spec.model:  # written before tabulated filters: trained exact
+                spec.model = {**spec.model, "filter": "exact"}
             ModelConfig(**spec.model)
         except TypeError as err:
             raise CheckpointError(f"{where}: damaged model_spec ({err})") from err
@@ -124,29 +123,14 @@ def load_trained(path: str | Path, checkpoint: str = "best") -> TrainedModel:
     """The model of a checkpoint file or run folder, ready to predict (see the module doc)."""
     path = checkpoint_path(path, checkpoint)
     state = load_checkpoint(path)
-    if "model_spec" in state:
-        spec = ModelSpec.from_dict(state["model_spec"], path)
-    else:
-        spec = _legacy_spec(state, path)
+    if "model_spec" not in state:
+        raise CheckpointError(
+            f"{path} predates self-contained model files (it holds no model_spec); export it "
+            "with the schnet-ipu release that wrote it (train.py export: a TorchScript file "
+            "any torch program runs), or retrain"
+        )
+    spec = ModelSpec.from_dict(state["model_spec"], path)
     model = spec.build_model()
     with restoring(path):
         model.load_state_dict(state["model"])
     return TrainedModel(model.eval(), spec, path, state["config"])
-
-
-def _legacy_spec(state: dict[str, Any], path: Path) -> ModelSpec:
-    """The spec of a checkpoint written before model files: rebuilt from its training data."""
-    from schnet_ipu.components import build_model, model_spec, restore_config
-    from schnet_ipu.pipeline import prepare_data
-    from schnet_ipu.task import make_task
-
-    cfg = restore_config(state, path)
-    store = Path(cfg.data.path)
-    if not store.is_file():
-        raise CheckpointError(
-            f"{path} predates self-contained model files and needs its training store "
-            f"{store}, which is not here: run it where the store is, or retrain"
-        )
-    log.info("%s predates model files: rebuilding its spec from %s", path, store)
-    data = prepare_data(cfg)
-    return model_spec(cfg, data, build_model(cfg, data), make_task(cfg, data))

@@ -21,11 +21,11 @@ from schnet_ipu.config import ConfigError, ModelConfig, load_config
 from schnet_ipu.data import MoleculeStore, import_qm9
 from schnet_ipu.data.graphs import molecule_pairs
 from schnet_ipu.errors import CheckpointError
-from schnet_ipu.forces import energy_and_forces
 from schnet_ipu.inference import Predictor, export_model
 from schnet_ipu.loader import Layout, PackMolecule, collate
 from schnet_ipu.model_file import ModelSpec, TrainedModel, load_trained
 from schnet_ipu.portable import PortableSchNet
+from schnet_ipu.forces import energy_and_forces
 from schnet_ipu.task import EnergyTask, TargetTransform
 from schnet_ipu.training import train
 
@@ -291,19 +291,25 @@ def test_unseen_element_is_named(runs):
         atoms.get_potential_energy()
 
 
-def test_checkpoint_without_spec_loads_from_its_store_or_says_what_is_missing(runs, tmp_path):
+def test_checkpoint_without_spec_is_refused_in_one_line(runs, tmp_path):
     state = torch.load(runs[0] / "checkpoints/best.pt", weights_only=True)
-    expected = load_trained(runs[0]).model.state_dict()
     del state["model_spec"]  # as written before model files
-    del state["config"]["model"]["filter"]  # and before tabulated filters: trained exact
+    old = tmp_path / "old.pt"
+    torch.save(state, old)
+    with pytest.raises(
+        CheckpointError, match=r"old\.pt predates self-contained model files"
+    ) as err:
+        load_trained(old)
+    assert "\n" not in str(err.value) and "retrain" in str(err.value)
+
+
+def test_spec_written_before_tabulated_filters_loads_as_exact(runs, tmp_path):
+    state = torch.load(runs[0] / "checkpoints/best.pt", weights_only=True)
+    del state["model_spec"]["model"]["filter"]  # as written before model.filter existed
     old = tmp_path / "old.pt"
     torch.save(state, old)
     rebuilt = load_trained(old)
-    assert rebuilt.spec.elements == load_trained(runs[0]).spec.elements
-    assert rebuilt.model.filter == "exact"
+    assert rebuilt.model.filter == "exact" and load_trained(runs[0]).model.filter == "table"
+    expected = load_trained(runs[0]).model.state_dict()
     for name, value in expected.items():
         torch.testing.assert_close(rebuilt.model.state_dict()[name], value)
-    state["config"]["data"]["path"] = str(tmp_path / "gone.h5")
-    torch.save(state, old)
-    with pytest.raises(CheckpointError, match=r"predates self-contained model files.*gone\.h5"):
-        load_trained(old)
