@@ -1,6 +1,7 @@
 """A run's components from its config and data: model, optimiser, schedule, task, backend.
 
     model, optimizer, backend, task = make_trainer(cfg, data, replica, device)
+    task = make_task(cfg, data)     # the objective, its scales from the training split
 
 The training loop (:mod:`schnet_ipu.training`), evaluation (:mod:`schnet_ipu.evaluation`)
 and the benchmarks build their components here, so they all train the same thing.
@@ -20,11 +21,12 @@ from schnet_ipu.backends import Backend, TorchBackend, make_backend, select_devi
 from schnet_ipu.backends.distributed import ReplicaInfo
 from schnet_ipu.budget import Budget
 from schnet_ipu.config import Config, ConfigError, config_from_dict
+from schnet_ipu.data import MoleculeStore
 from schnet_ipu.errors import CheckpointError
 from schnet_ipu.model import SchNet
 from schnet_ipu.model_file import ModelSpec
 from schnet_ipu.pipeline import PreparedData
-from schnet_ipu.task import EnergyForceTask, EnergyTask, Task, make_task
+from schnet_ipu.task import EnergyForceTask, EnergyTask, TargetTransform, Task
 
 TORCH_VERSION = tuple(int(part) for part in torch.__version__.split(".")[:2])  # (2, 13)
 
@@ -95,6 +97,66 @@ def model_spec(cfg: Config, data: PreparedData, model: SchNet, task: Task) -> Mo
         },
         elements=[int(z) for z in np.flatnonzero(seen)],
     )
+
+
+def make_task(cfg: Config, data: PreparedData) -> EnergyTask | EnergyForceTask:
+    """The run's task: references and scales from the training split (force and stress
+    scales from its frames that carry them); forces scored when the store has them, trained
+    with ``optim.forces_weight > 0``. A force or stress weight > 0 with no training frame
+    carrying that label is a ConfigError."""
+    atomref = data.store.atomref(cfg.data.target)
+    reference = np.zeros_like(data.dressed_atoms)  # [119], indexed by atomic number
+    if cfg.data.atomrefs and atomref is not None:
+        reference[: len(atomref)] = atomref
+    transform = TargetTransform(tuple(reference.tolist()), data.residual_std)
+    if cfg.optim.stress_weight > 0 and not data.store.has_stress:
+        raise ConfigError(
+            f"optim.stress_weight > 0, but {data.store.path} holds no stress; import frames "
+            "with stress (atoms.info['stress'] or the calculator's) or set optim.stress_weight=0"
+        )
+    if not data.store.has_forces:
+        for key in ("forces_weight", "stress_weight"):
+            if getattr(cfg.optim, key) > 0:
+                raise ConfigError(f"optim.{key} > 0, but {data.store.path} holds no forces")
+        return EnergyTask(transform)
+    train = data.split["train"]
+    forces_frames = train[data.store.forces_mask()[train]]
+    _check_labelled(cfg.optim.forces_weight, "forces", forces_frames, data)
+    scale = force_rms(data.store, forces_frames)  # forces are scored even at weight 0
+    stress_scale = None
+    if data.store.has_stress:
+        stress_frames = train[data.store.stress_mask()[train]]
+        _check_labelled(cfg.optim.stress_weight, "stress", stress_frames, data)
+        stress = data.store.stress()[stress_frames]
+        stress_scale = float(np.sqrt(np.mean(stress**2))) if len(stress) else 0.0
+        stress_scale = stress_scale or 1.0  # no training frame with stress, or all zero
+    return EnergyForceTask(
+        transform, scale, cfg.optim.forces_weight, stress_scale, cfg.optim.stress_weight
+    )
+
+
+def _check_labelled(weight: float, label: str, frames: np.ndarray, data: PreparedData) -> None:
+    """ConfigError when ``weight`` > 0 trains ``label`` but no training frame carries it
+    (``frames``: those that do)."""
+    if weight > 0 and not len(frames):
+        key = "forces_weight" if label == "forces" else "stress_weight"
+        raise ConfigError(
+            f"optim.{key} > 0, but no frame of the training split of {data.store.path} "
+            f"carries {label} ({len(data.split['train'])} frames); set optim.{key}=0 or "
+            f"import frames with {label}"
+        )
+
+
+def force_rms(store: MoleculeStore, molecules: np.ndarray) -> float:
+    """RMS force component over the atoms of ``molecules`` [M] (the force loss scale; those
+    that carry forces); 1 when there are none."""
+    if not len(molecules):
+        return 1.0
+    atoms = np.concatenate(
+        [np.arange(store.offsets[i], store.offsets[i + 1]) for i in molecules.tolist()]
+    )
+    forces = store.forces()[atoms].astype(np.float64)
+    return float(np.sqrt(np.mean(forces**2))) or 1.0
 
 
 def make_optimizer(cfg: Config, model: torch.nn.Module, device: str) -> torch.optim.Adam:

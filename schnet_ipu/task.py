@@ -1,44 +1,38 @@
-"""What a run learns and how it is scored: the target transform, the loss and the metrics.
+"""What a run learns and how it is scored: the target transform and the loss.
 
-    task = make_task(cfg, data)            # EnergyTask, or EnergyForceTask with forces_weight > 0
-    loss = task.loss(model, batch)          # the backends' loss_fn
-    metrics = evaluate(task, backend, loader, replica)   # every metric of a split, one pass
+    task = make_task(cfg, data)        # schnet_ipu.components: EnergyTask or EnergyForceTask
+    loss = task.loss(model, batch)     # the backends' loss_fn
+    task = task_from_dict(spec.task)   # from a checkpoint, no data set needed
 
 One object per objective, in the spirit of schnetpack's tasks: it owns
 
 * the target transform (:class:`TargetTransform`): the model learns the target minus the
   store's per-element atom references (QM9's atomisation energies), in units of its spread
   around the dressed-atom fit (the loss scale); predictions get the references back;
-* the loss: standardised squared energy error, plus standardised force and stress terms;
-* the metrics, all from one pass over a split (with forces, energies come from the same
-  autograd evaluation that gives the forces);
-* partial labels: force and stress terms and metrics count only the frames that carry
-  them (:func:`~schnet_ipu.forces.labelled_atoms`, :func:`~schnet_ipu.stress.labelled_slots`),
-  their scales come from the labelled training frames, and every force or stress metric
-  comes with the frames it covered (``force_frames``, ``stress_frames``);
+* the loss: standardised squared energy error, plus standardised force and stress terms
+  (forces and stress from one :func:`~schnet_ipu.response.energy_response`);
+* partial labels: force and stress terms count only the frames that carry them
+  (:func:`~schnet_ipu.response.labelled_atoms`, :func:`~schnet_ipu.response.labelled_slots`),
+  their scales come from the labelled training frames;
 * its parameters, which every checkpoint holds (:meth:`Task.to_dict`), so a model file needs
   no data set to turn predictions into energies.
+
+The task is built from the config and the data with the run's other components
+(:func:`schnet_ipu.components.make_task`); the metrics of a split, all from one pass, are
+:mod:`schnet_ipu.evaluation`'s.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from schnet_ipu.batch import Batch
-from schnet_ipu.config import Config, ConfigError
-from schnet_ipu.forces import atoms_per_molecule, energy_and_forces, force_rms, labelled_atoms
-from schnet_ipu.pipeline import PreparedData
-from schnet_ipu.stress import energy_forces_stress, labelled_slots
-
-NUM_REFERENCE_ELEMENTS = 119  # atom references are indexed by atomic number 0..118
+from schnet_ipu.response import atoms_per_molecule, energy_response, labelled_atoms, labelled_slots
 
 
 @dataclass(frozen=True)
@@ -69,21 +63,6 @@ def masked_mse(pred: Tensor, y: Tensor, mask: Tensor, scale: float) -> Tensor:
     """
     err = torch.where(mask, (pred - y) / scale, 0.0)
     return err.square().sum() / mask.sum().clamp(min=1)
-
-
-@dataclass
-class Predictions:
-    """One batch's real molecules: float64 numpy arrays (forces only for force tasks)."""
-
-    index: np.ndarray  # [M] store indices
-    energy: np.ndarray  # [M] predicted model target
-    energy_true: np.ndarray  # [M]
-    atoms: np.ndarray  # [M] atoms per molecule
-    forces: np.ndarray | None = None  # [A, 3] predicted, atoms of frames with target forces
-    forces_true: np.ndarray | None = None  # [A, 3]
-    force_frames: int = 0  # frames those atoms belong to
-    stress: np.ndarray | None = None  # [P, 3, 3] predicted, frames with target stress
-    stress_true: np.ndarray | None = None  # [P, 3, 3]
 
 
 class Task(Protocol):
@@ -141,7 +120,7 @@ class EnergyForceTask:
     Stores with stress (periodic frames) are scored on it too, and with ``stress_weight``
     > 0 the loss gains ``w_s * mean over slots with target stress of |S - S_ref|^2 / (9
     s_S^2)``, ``s_S`` the RMS stress component of the training frames that carry stress;
-    stress is ``dE/deps / V`` by the strain route (:mod:`schnet_ipu.stress`), ASE's
+    stress is ``dE/deps / V`` by the strain route (:mod:`schnet_ipu.response`), ASE's
     convention. A batch with no labelled atom (slot) adds 0 for that term.
     """
 
@@ -173,12 +152,8 @@ class EnergyForceTask:
             raise ValueError(
                 "optim.forces_weight > 0 needs batches with forces (a store with forces)"
             )
-        stress_loss = None
-        if self.stress_weight > 0:
-            energy, forces, stress = energy_forces_stress(model, batch, create_graph=True)
-            stress_loss = self._stress_loss(stress, batch)
-        else:
-            energy, forces = energy_and_forces(model, batch, create_graph=True)
+        response = energy_response(model, batch, self.stress_weight > 0, create_graph=True)
+        energy, forces = response.energy, response.forces
         energy_loss = masked_mse(energy, batch.y, batch.graph_mask, self.transform.scale)
         labelled = labelled_atoms(batch)
         error = torch.where(labelled.unsqueeze(1), forces - batch.forces, 0.0)  # [N, 3]
@@ -196,7 +171,9 @@ class EnergyForceTask:
             )
             self._sums = sums if self._sums is None else self._sums + sums
         loss = energy_loss + self.weight * force_loss
-        return loss if stress_loss is None else loss + self.stress_weight * stress_loss
+        if response.stress is None:
+            return loss
+        return loss + self.stress_weight * self._stress_loss(response.stress, batch)
 
     def _stress_loss(self, stress: Tensor, batch: Batch) -> Tensor:
         """Mean over the slots with target stress of |S - S_ref|^2 / (9 s_S^2)."""
@@ -225,197 +202,6 @@ class EnergyForceTask:
             "stress_scale": self.stress_scale,
             "stress_weight": self.stress_weight,
         }
-
-
-def make_task(cfg: Config, data: PreparedData) -> EnergyTask | EnergyForceTask:
-    """The run's task: references and scales from the training split (force and stress
-    scales from its frames that carry them); forces scored when the store has them, trained
-    with ``optim.forces_weight > 0``. A force or stress weight > 0 with no training frame
-    carrying that label is a ConfigError."""
-    atomref = data.store.atomref(cfg.data.target)
-    reference = np.zeros(NUM_REFERENCE_ELEMENTS)
-    if cfg.data.atomrefs and atomref is not None:
-        reference[: len(atomref)] = atomref
-    transform = TargetTransform(tuple(reference.tolist()), data.residual_std)
-    if cfg.optim.stress_weight > 0 and not data.store.has_stress:
-        raise ConfigError(
-            f"optim.stress_weight > 0, but {data.store.path} holds no stress; import frames "
-            "with stress (atoms.info['stress'] or the calculator's) or set optim.stress_weight=0"
-        )
-    if not data.store.has_forces:
-        for key in ("forces_weight", "stress_weight"):
-            if getattr(cfg.optim, key) > 0:
-                raise ConfigError(f"optim.{key} > 0, but {data.store.path} holds no forces")
-        return EnergyTask(transform)
-    train = data.split["train"]
-    forces_frames = train[data.store.forces_mask()[train]]
-    _check_labelled(cfg.optim.forces_weight, "forces", forces_frames, data)
-    scale = force_rms(data.store, forces_frames)  # forces are scored even at weight 0
-    stress_scale = None
-    if data.store.has_stress:
-        stress_frames = train[data.store.stress_mask()[train]]
-        _check_labelled(cfg.optim.stress_weight, "stress", stress_frames, data)
-        stress = data.store.stress()[stress_frames]
-        stress_scale = float(np.sqrt(np.mean(stress**2))) if len(stress) else 0.0
-        stress_scale = stress_scale or 1.0  # no training frame with stress, or all zero
-    return EnergyForceTask(
-        transform, scale, cfg.optim.forces_weight, stress_scale, cfg.optim.stress_weight
-    )
-
-
-def _check_labelled(weight: float, label: str, frames: np.ndarray, data: PreparedData) -> None:
-    """ConfigError when ``weight`` > 0 trains ``label`` but no training frame carries it
-    (``frames``: those that do)."""
-    if weight > 0 and not len(frames):
-        key = "forces_weight" if label == "forces" else "stress_weight"
-        raise ConfigError(
-            f"optim.{key} > 0, but no frame of the training split of {data.store.path} "
-            f"carries {label} ({len(data.split['train'])} frames); set optim.{key}=0 or "
-            f"import frames with {label}"
-        )
-
-
-class Evaluator(Protocol):
-    """What evaluation needs of a backend: device predictions, and the host model for
-    forces by autograd (on ``device``: the CPU for PopTorch runs)."""
-
-    model: nn.Module
-    device: torch.device
-
-    def predict(self, batch: Batch) -> Tensor:
-        """Predictions [G] for one batch."""
-
-
-def predictions(task: Task, backend: Evaluator, loader) -> Iterator[Predictions]:
-    """Each batch's predictions over one pass of ``loader``: energies by ``backend.predict``
-    for energy tasks; energies and forces in one autograd evaluation for force tasks."""
-    for call in loader.epoch(0):
-        for batch in call:
-            stress = None
-            if task.with_stress:
-                backend.model.eval()
-                on_device = batch.to(backend.device)
-                energy, forces, stress = energy_forces_stress(backend.model, on_device, False)
-                energy, forces, stress = energy.detach(), forces.detach(), stress.detach()
-            elif task.with_forces:
-                backend.model.eval()
-                energy, forces = energy_and_forces(
-                    backend.model, batch.to(backend.device), create_graph=False
-                )
-                energy, forces = energy.detach(), forces.detach()
-            else:
-                energy, forces = backend.predict(batch), None
-            batch = batch.to("cpu")  # (device-resident batches live on the GPU)
-            mol, atoms = batch.graph_mask.numpy(), labelled_atoms(batch).numpy()
-            frames = mol if batch.forces_mask is None else mol & batch.forces_mask.numpy()
-            slots = None if stress is None else labelled_slots(batch).numpy()
-            yield Predictions(
-                index=batch.molecule_index.numpy()[mol],
-                energy=energy.double().cpu().numpy()[mol],
-                energy_true=batch.y.double().numpy()[mol],
-                atoms=atoms_per_molecule(batch).double().numpy()[mol],
-                forces=None if forces is None else forces.double().cpu().numpy()[atoms],
-                forces_true=None if forces is None else batch.forces.double().numpy()[atoms],
-                force_frames=int(frames.sum()),
-                stress=None if stress is None else stress.double().cpu().numpy()[slots],
-                stress_true=None if stress is None else batch.stress.double().numpy()[slots],
-            )
-
-
-def error_sums(task: Task, parts: Iterator[Predictions]) -> Tensor:
-    """float64 [11]: sums of |error|, error^2, (error / scale)^2, molecules, |error| / atoms,
-    |force component error|, force components, frames with forces, |stress component
-    error|, stress components, frames with stress; they add up over batches and replicas."""
-    sums = torch.zeros(11, dtype=torch.float64)
-    for p in parts:
-        error = p.energy - p.energy_true
-        force_error = 0.0 if p.forces is None else np.abs(p.forces - p.forces_true).sum()
-        stress_error = 0.0 if p.stress is None else np.abs(p.stress - p.stress_true).sum()
-        sums += torch.tensor(
-            [
-                np.abs(error).sum(),
-                (error**2).sum(),
-                ((error / task.transform.scale) ** 2).sum(),
-                len(error),
-                (np.abs(error) / p.atoms).sum(),
-                force_error,
-                0 if p.forces is None else p.forces.size,
-                0 if p.forces is None else p.force_frames,
-                stress_error,
-                0 if p.stress is None else p.stress.size,
-                0 if p.stress is None else len(p.stress),
-            ],
-            dtype=torch.float64,
-        )
-    return sums
-
-
-def metrics_from_sums(task: Task, sums: Tensor, split: str) -> dict[str, float]:
-    """mae, rmse, loss (the standardised energy error, comparable with the training loss),
-    molecules; with forces also energy_mae_per_atom, force_frames (frames with target
-    forces) and force_mae over their atoms; with stress, stress_frames and stress_mae. An
-    MAE over no frame is left out (its frame count, 0, says why)."""
-    abs_sum, sq_sum, loss_sum, count, per_atom = sums[:5].tolist()
-    f_abs, components, f_frames, s_abs, s_count, s_frames = sums[5:].tolist()
-    if count == 0:
-        raise ConfigError(f"the {split} split has no molecules to evaluate")
-    metrics = {
-        "mae": abs_sum / count,
-        "rmse": math.sqrt(sq_sum / count),
-        "loss": loss_sum / count,
-        "molecules": int(count),
-    }
-    if task.with_forces:
-        metrics["energy_mae_per_atom"] = per_atom / count
-        metrics["force_frames"] = int(f_frames)
-        if components:
-            metrics["force_mae"] = f_abs / components
-    if task.with_stress:
-        metrics["stress_frames"] = int(s_frames)
-        if s_count:
-            metrics["stress_mae"] = s_abs / s_count
-    return metrics
-
-
-def evaluate(task: Task, backend: Evaluator, loader, split: str, world_size: int = 1) -> dict:
-    """Every metric of a split in one pass (each replica its share, then summed)."""
-    sums = error_sums(task, predictions(task, backend, loader))
-    if world_size > 1:  # on the replica's device: NCCL reduces CUDA tensors only
-        sums = sums.to(backend.device)
-        dist.all_reduce(sums)
-    return metrics_from_sums(task, sums.cpu(), split)
-
-
-def trivial_baselines(
-    data: PreparedData, split: str, with_forces: bool, with_stress: bool = False
-) -> dict[str, float]:
-    """Errors of trivial predictors on ``split``: the dressed-atom fit (``baseline_mae``);
-    with forces also energy = atoms x the training mean energy per atom (MAE per atom) and
-    forces = 0 (MAE per component, over the frames with forces); with stress the training
-    frames' mean stress (over the frames with stress). A baseline over no frame is left out."""
-    baselines = {"baseline_mae": float(np.abs(data.baseline_errors(split)).mean())}
-    if not with_forces:
-        return baselines
-    store, targets, train, index = data.store, data.targets, data.split["train"], data.split[split]
-    atoms = store.num_atoms
-    mean_per_atom = float(np.mean(targets[train] / atoms[train]))
-    baselines["baseline_energy_mae_per_atom"] = float(
-        np.abs(targets[index] / atoms[index] - mean_per_atom).mean()
-    )
-    forces = store.forces()
-    labelled = index[store.forces_mask()[index]]
-    if len(labelled):
-        components = np.concatenate(
-            [forces[store.offsets[i] : store.offsets[i + 1]] for i in labelled.tolist()]
-        )
-        baselines["baseline_force_mae"] = float(np.abs(components).mean())
-    if with_stress:  # the mean stress of the training frames that carry it
-        stress, mask = store.stress(), store.stress_mask()
-        train_s, split_s = train[mask[train]], index[mask[index]]
-        if len(train_s) and len(split_s):
-            mean = stress[train_s].mean(axis=0)
-            baselines["baseline_stress_mae"] = float(np.abs(stress[split_s] - mean).mean())
-    return baselines
 
 
 def task_from_dict(raw: dict[str, Any]) -> EnergyTask | EnergyForceTask:

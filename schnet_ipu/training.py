@@ -45,13 +45,15 @@ from schnet_ipu.budget import Budget, WeightAverage
 from schnet_ipu.checkpoint import load_checkpoint, save_checkpoint
 from schnet_ipu.components import make_scheduler, make_trainer, model_spec
 from schnet_ipu.config import Config
+from schnet_ipu.errors import TrainingError
+from schnet_ipu.evaluation import evaluate, trivial_baselines
 from schnet_ipu.guard import Spike, SpikeGuard, Trainee, check_beats_baseline
 from schnet_ipu.loader import PackedLoader
 from schnet_ipu.pipeline import PreparedData, make_loader, prepare_data
-from schnet_ipu.run_state import Progress, RunState, TrainingError, read_resume
+from schnet_ipu.run_state import Progress, RunState, read_resume
 from schnet_ipu.runlock import hold_run_lock, launcher_rank
 from schnet_ipu.runlog import RunLog, plot_learning_curve, read_records, truncate_after
-from schnet_ipu.task import Task, evaluate, trivial_baselines
+from schnet_ipu.task import Task
 
 log = logging.getLogger("schnet_ipu")
 

@@ -25,7 +25,7 @@ from schnet_ipu.data.periodic_pairs import frame_pairs
 from schnet_ipu.inference import export_model
 from schnet_ipu.loader import Layout, PackMolecule, collate
 from schnet_ipu.model_file import ModelSpec, load_trained
-from schnet_ipu.stress import energy_forces_stress
+from schnet_ipu.response import energy_forces_stress
 from schnet_ipu.task import EnergyTask, TargetTransform
 
 CUTOFF = 5.0

@@ -13,10 +13,10 @@ from schnet_ipu.bench.model import load_molecules, molecules_to_batch, pair_arra
 from schnet_ipu.config import ConfigError, load_config
 from schnet_ipu.data import MoleculeStore
 from schnet_ipu.data.water_sampled import generate_water_sampled
-from schnet_ipu.forces import energy_and_forces
 from schnet_ipu.model import SchNet
 from schnet_ipu.model.filter_table import filter_table, grid_position, hermite_filter
 from schnet_ipu.model.ops import fused_table, ipu_ops, torch_ops
+from schnet_ipu.response import energy_and_forces
 
 CUTOFF = 6.0
 PAPER = dict(hidden_channels=100, num_filters=100, num_interactions=4, num_gaussians=25)

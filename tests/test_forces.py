@@ -19,7 +19,6 @@ from schnet_ipu.config import ConfigError, load_config
 from schnet_ipu.data import MoleculeStore, StoreError, import_ase
 from schnet_ipu.data.ase_files import frame_energy, frame_forces
 from schnet_ipu.evaluation import evaluate_run
-from schnet_ipu.forces import energy_and_forces
 from schnet_ipu.loader import Layout, PackMolecule, collate
 from schnet_ipu.model import SchNet
 from schnet_ipu.model.ops.torch_ops import (
@@ -27,6 +26,7 @@ from schnet_ipu.model.ops.torch_ops import (
     pair_symmetric_conv,
     shifted_softplus,
 )
+from schnet_ipu.response import energy_response
 from schnet_ipu.runlog import read_records
 from schnet_ipu.training import train
 
@@ -121,7 +121,7 @@ def test_forces_are_twice_differentiable_through_the_model(graph):
 
     def forces_of(pos):
         batch.pos = pos
-        return energy_and_forces(model, batch, create_graph=True)[1]
+        return energy_response(model, batch, create_graph=True).forces
 
     pos = batch.pos.clone().requires_grad_(True)
     assert torch.autograd.gradcheck(forces_of, (pos,), eps=1e-6, atol=1e-5, fast_mode=True)
@@ -134,7 +134,7 @@ def test_force_loss_gradients_equal_those_through_plain_ops():
     grads = {}
     for ops in ("torch", "ipu"):
         model = tiny_model(ops)
-        _, forces = energy_and_forces(model, batch, create_graph=True)
+        forces = energy_response(model, batch, create_graph=True).forces
         (forces - batch.forces).square().sum().backward()
         grads[ops] = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     assert grads["torch"].keys() == grads["ipu"].keys()
@@ -147,7 +147,7 @@ def test_padding_is_inert_for_forces():
     frames = emt_frames(4, seed=4)
     batch, layout = emt_batch(frames)
     model = tiny_model("torch")
-    energy, forces = energy_and_forces(model, batch, create_graph=False)
+    energy, forces, _ = energy_response(model, batch)
     assert torch.all(forces[~batch.node_mask] == 0)
     assert torch.all(batch.forces[~batch.node_mask] == 0)
     empty = collate([], layout, with_forces=True)  # an epoch's all-padding tail batch
@@ -155,7 +155,7 @@ def test_padding_is_inert_for_forces():
     # the first frame alone gives the same energy and forces as in company
     alone = collate([[PackMolecule(frames[0].numbers, frames[0].positions, 0.0, 0)]], layout)
     alone.pos = alone.pos.double()
-    e1, f1 = energy_and_forces(model, alone, create_graph=False)
+    e1, f1, _ = energy_response(model, alone)
     n = len(frames[0])
     torch.testing.assert_close(e1[0], energy[0])
     torch.testing.assert_close(f1[:n], forces[:n])

@@ -18,11 +18,10 @@ from test_forces import emt_batch, emt_frames
 from test_periodic import batch_of
 
 from schnet_ipu.bench.model import load_molecules, molecules_to_batch, pair_array, plan_packs
-from schnet_ipu.forces import energy_and_forces
 from schnet_ipu.model import SchNet
 from schnet_ipu.model.filter_table import grid_position, hermite_coefficients
 from schnet_ipu.model.ops import fused_table
-from schnet_ipu.stress import energy_forces_stress
+from schnet_ipu.response import energy_and_forces, energy_forces_stress
 
 pytestmark = pytest.mark.skipif(not fused_table.AVAILABLE, reason="numba is not installed")
 

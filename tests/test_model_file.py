@@ -25,7 +25,7 @@ from schnet_ipu.inference import Predictor, export_model
 from schnet_ipu.loader import Layout, PackMolecule, collate
 from schnet_ipu.model_file import ModelSpec, TrainedModel, load_trained
 from schnet_ipu.portable import PortableSchNet
-from schnet_ipu.forces import energy_and_forces
+from schnet_ipu.response import energy_response
 from schnet_ipu.task import EnergyTask, TargetTransform
 from schnet_ipu.training import train
 
@@ -128,7 +128,7 @@ def test_portable_model_equals_the_packed_model_in_float64(store, graph, readout
     )
     batch = dataclasses.replace(batch, pos=batch.pos.double())
     packed = trained.model.double()
-    energy, forces = energy_and_forces(packed, batch, create_graph=False)
+    energy, forces, _ = energy_response(packed, batch)
     portable = PortableSchNet.from_trained(trained, torch.float64)
     reference = np.asarray(trained.spec.transform.atom_reference)
     for p, (z, pos) in enumerate(molecules):

@@ -19,24 +19,24 @@ from test_periodic import make_emt_bulk, periodic_dataset
 from test_periodic_training import bulk_config
 
 from schnet_ipu.batch import stack_batches
+from schnet_ipu.components import force_rms, make_task
 from schnet_ipu.config import ConfigError
 from schnet_ipu.data import MoleculeStore, import_ase
-from schnet_ipu.evaluation import HostModel, evaluate_run, predict_run
-from schnet_ipu.forces import force_rms
+from schnet_ipu.evaluation import (
+    HostModel,
+    error_sums,
+    evaluate_run,
+    metrics_from_sums,
+    predict_run,
+    predictions,
+)
 from schnet_ipu.inference import predict_file
 from schnet_ipu.loader import PackedLoader
 from schnet_ipu.model import SchNet
 from schnet_ipu.pipeline import prepare_data
+from schnet_ipu.response import energy_forces_stress
 from schnet_ipu.runlog import read_records
-from schnet_ipu.stress import energy_forces_stress
-from schnet_ipu.task import (
-    EnergyForceTask,
-    TargetTransform,
-    error_sums,
-    make_task,
-    metrics_from_sums,
-    predictions,
-)
+from schnet_ipu.task import EnergyForceTask, TargetTransform
 from schnet_ipu.training import train
 
 pytestmark = pytest.mark.usefixtures("restore_threads")

@@ -34,7 +34,7 @@ from schnet_ipu.data.writer import StoreWriter
 from schnet_ipu.loader import Layout, PackedDataset, PackedLoader, PackMolecule, collate
 from schnet_ipu.model import SchNet
 from schnet_ipu.packing import plan_packing
-from schnet_ipu.stress import energy_forces_stress
+from schnet_ipu.response import energy_forces_stress
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import make_emt_bulk

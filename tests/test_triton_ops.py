@@ -19,10 +19,10 @@ from schnet_ipu.batch import Batch
 from schnet_ipu.bench.model import molecules_to_batch, pair_array, plan_packs
 from schnet_ipu.config import ConfigError
 from schnet_ipu.data import MoleculeStore, generate_water
-from schnet_ipu.forces import energy_and_forces
 from schnet_ipu.model import SchNet
 from schnet_ipu.model.ops import get_ops, torch_ops, triton_ops
 from schnet_ipu.model.ops.common import edge_distance
+from schnet_ipu.response import energy_and_forces
 from schnet_ipu.task import masked_mse
 
 CUTOFF = 6.0

@@ -34,6 +34,7 @@ from schnet_ipu import components
 from schnet_ipu.backends import ReplicaInfo
 from schnet_ipu.bench.common import QM9_STORE, new_report, packs_for, ratio
 from schnet_ipu.bench.throughput import PYG, RADIUS_BUILDER, pyg, pyg_items
+from schnet_ipu.components import make_task
 from schnet_ipu.config import (
     Config,
     ConfigError,
@@ -42,9 +43,9 @@ from schnet_ipu.config import (
     load_config,
     validate,
 )
+from schnet_ipu.evaluation import evaluate
 from schnet_ipu.loader import PackedLoader
 from schnet_ipu.pipeline import PreparedData, make_loader, prepare_data
-from schnet_ipu.task import evaluate, make_task
 
 PAPER_CONFIG = Path(__file__).resolve().parents[2] / "configs/qm9.yaml"
 PRECISIONS = ("fp32", "tf32", "bf16")
