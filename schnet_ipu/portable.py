@@ -38,7 +38,7 @@ table in torch ops (same values). Elements the model never saw raise, by number.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, List, Optional, Tuple  # typing's forms: TorchScript, 3.8
+from typing import List, Optional, Tuple  # typing's forms: TorchScript, 3.8
 
 import torch
 from torch import Tensor, nn
@@ -48,9 +48,7 @@ from schnet_ipu.cell_list import neighbour_pairs
 from schnet_ipu.model.filter_table import filter_table, hermite_coefficients
 from schnet_ipu.model.ops import fused_table
 from schnet_ipu.model.schnet import EMBEDDING_ROWS
-
-if TYPE_CHECKING:
-    from schnet_ipu.model_file import TrainedModel
+from schnet_ipu.model_file import TrainedModel
 
 
 class ShiftedSoftplus(nn.Module):
