@@ -13,14 +13,16 @@ from pathlib import Path
 
 from ..config import DataConfig
 from .ase_files import import_ase
+from .checks import StoreError
 from .graphs import knn_edges, molecule_pairs, radius_edges
 from .hydronet import import_hydronet
 from .pairs import RadiusPairs, edge_counts, radius_pairs
 from .qm9 import import_qm9, import_qm9_raw
 from .splits import load_or_make_split, make_split
-from .store import MoleculeStore, StoreError, write_store
+from .store import MoleculeStore
 from .water import generate_water
 from .water_sampled import generate_water_sampled, hydronet_weights
+from .writer import write_store
 
 log = logging.getLogger(__name__)
 

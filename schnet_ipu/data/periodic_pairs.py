@@ -41,8 +41,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from .checks import StoreError
 from .pairs import RadiusPairs, cached_pairs
-from .store import MoleculeStore, StoreError
+from .store import MoleculeStore
 
 log = logging.getLogger(__name__)
 
