@@ -16,7 +16,8 @@ from .ase_files import import_ase
 from .checks import StoreError
 from .graphs import knn_edges, molecule_pairs, radius_edges
 from .hydronet import import_hydronet
-from .pairs import RadiusPairs, edge_counts, radius_pairs
+from .pairs import edge_counts, radius_pairs
+from .pairs_file import RadiusPairs
 from .qm9 import import_qm9, import_qm9_raw
 from .splits import load_or_make_split, make_split
 from .store import MoleculeStore

@@ -42,7 +42,7 @@ import torch
 from tqdm import tqdm
 
 from .checks import StoreError
-from .pairs import RadiusPairs, cached_pairs
+from .pairs_file import RadiusPairs, cached_pairs
 from .store import MoleculeStore
 
 log = logging.getLogger(__name__)
