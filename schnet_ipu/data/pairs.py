@@ -11,20 +11,17 @@ from __future__ import annotations
 
 import functools
 import logging
-import sys
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import Tensor
-from tqdm import tqdm
 
 from schnet_ipu import compiled_feed
 
 from .graphs import pairs_within_cutoff
-from .pairs_file import RadiusPairs, cached_pairs
+from .pairs_file import RadiusPairs, build_in_runs, cached_pairs
 from .periodic_pairs import periodic_pairs
 from .store import MoleculeStore
 
@@ -106,19 +103,8 @@ def build_pairs(
         part = slice(lo, lo + run)
         return run_pairs(coords, store.offsets[part], sizes[part], cutoff, dtype)
 
-    bar = tqdm(
-        total=len(store),
-        desc=f"radius pairs (cutoff {cutoff:g})",
-        unit="mol",
-        delay=1.0,  # shown only when the build is long
-        disable=not progress,
-        file=sys.stderr,
-    )
-    starts, done = range(0, len(store), run), []
-    with bar, ThreadPoolExecutor(torch.get_num_threads()) as pool:
-        for lo, found in zip(starts, pool.map(test, starts)):
-            done.append(found)
-            bar.update(min(run, len(store) - lo))
+    desc = f"radius pairs (cutoff {cutoff:g})"
+    done = build_in_runs(len(store), run, test, desc, "mol", progress)
     counts = np.concatenate([run_counts for run_counts, _ in done])
     pair_ij = [codes.view(dtype).reshape(-1, 2) for _, codes in done]  # [P_run, 2] each
     i = np.concatenate([ij[:, 0] for ij in pair_ij])

@@ -1,5 +1,6 @@
 """The pairs file, which radius pairs (:mod:`.pairs`) and periodic pairs
-(:mod:`.periodic_pairs`) both keep beside their store: its record, and its load-or-build.
+(:mod:`.periodic_pairs`) both keep beside their store: its record, its load-or-build, and
+the threaded runner both builds go through.
 
 File layout (M molecules, P pairs in all)::
 
@@ -18,18 +19,25 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 import warnings
 import zlib
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
+import torch
+from tqdm import tqdm
 
 from .store import MoleculeStore
 
 log = logging.getLogger(__name__)
+
+RunResult = TypeVar("RunResult")
 
 
 @dataclass(frozen=True)
@@ -83,6 +91,34 @@ def cached_pairs(
         path,
     )
     return pairs
+
+
+def build_in_runs(
+    count: int,
+    run: int,
+    build_run: Callable[[int], RunResult],
+    desc: str,
+    unit: str,
+    progress: bool,
+) -> list[RunResult]:
+    """``build_run(lo)`` for the runs of ``run`` molecules starting at lo = 0, run, ...
+    below ``count``, in order: on torch's intra-op threads' worth of Python threads (runs
+    are independent, and the builds release the GIL), with a progress bar on stderr when
+    ``progress`` and the build has taken a second."""
+    bar = tqdm(
+        total=count,
+        desc=desc,
+        unit=unit,
+        delay=1.0,  # shown only when the build is long
+        disable=not progress,
+        file=sys.stderr,
+    )
+    starts, done = range(0, count, run), []
+    with bar, ThreadPoolExecutor(torch.get_num_threads()) as pool:
+        for lo, found in zip(starts, pool.map(build_run, starts)):
+            done.append(found)
+            bar.update(min(run, count - lo))
+    return done
 
 
 def _save(path: Path, pairs: RadiusPairs, store: MoleculeStore, version: int) -> None:
