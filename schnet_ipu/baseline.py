@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-NUM_ELEMENTS = 119  # atomic numbers 0..118; 0 is padding
+from schnet_ipu.data.elements import NUM_ELEMENTS
 
 
 def element_counts(z: np.ndarray, offsets: np.ndarray) -> np.ndarray:

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from schnet_ipu import compiled_feed
 from schnet_ipu.data import MoleculeStore
-from schnet_ipu.data.pairs import RadiusPairs
+from schnet_ipu.data.pairs_file import RadiusPairs
 from schnet_ipu.data.periodic_pairs import PeriodicPairs
 from schnet_ipu.errors import UserError
 

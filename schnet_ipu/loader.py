@@ -32,7 +32,8 @@ from torch import Tensor
 from schnet_ipu.batch import Batch
 from schnet_ipu.data import MoleculeStore
 from schnet_ipu.data.graphs import molecule_pairs
-from schnet_ipu.data.pairs import RadiusPairs, radius_pairs
+from schnet_ipu.data.pairs import radius_pairs
+from schnet_ipu.data.pairs_file import RadiusPairs
 from schnet_ipu.data.periodic_pairs import PeriodicPairs, frame_pairs
 from schnet_ipu.feed import (
     Assembled,

@@ -21,17 +21,13 @@ import numpy as np
 
 from schnet_ipu.errors import positive_float, run_cli
 
-from . import (
-    MoleculeStore,
-    StoreError,
-    edge_counts,
-    generate_water,
-    generate_water_sampled,
-    import_hydronet,
-    import_qm9,
-    import_qm9_raw,
-)
-from .water_sampled import hydronet_weights
+from .checks import StoreError
+from .hydronet import import_hydronet
+from .pairs import edge_counts
+from .qm9 import import_qm9, import_qm9_raw
+from .store import MoleculeStore
+from .water import generate_water
+from .water_sampled import generate_water_sampled, hydronet_weights
 
 
 def main(argv: list[str] | None = None) -> int:

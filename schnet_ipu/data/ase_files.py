@@ -20,7 +20,7 @@ calculator's, Voigt [6] or [3, 3], in eV/Angstrom^3). Frames without a cell stay
 
 Partial labels: when some frames have forces (or, among the periodic ones, stress) and
 others not, all are kept; those without hold zeros and the store's ``forces_mask`` /
-``stress_mask`` (:mod:`schnet_ipu.data.store`, version 2) say which frames carry them, so
+``stress_mask`` (:mod:`schnet_ipu.data.layout`, version 2) say which frames carry them, so
 the loss and the metrics count only those.
 """
 
@@ -33,7 +33,9 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from .store import NUM_ELEMENTS, StoreError, invalid_cells, write_store
+from .checks import StoreError, invalid_cells
+from .elements import NUM_ELEMENTS
+from .writer import write_store
 
 log = logging.getLogger(__name__)
 

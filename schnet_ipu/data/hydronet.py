@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from .store import StoreError
+from .checks import StoreError
 from .writer import StoreWriter
 
 log = logging.getLogger(__name__)

@@ -1,39 +1,28 @@
-"""Radius pairs of every molecule of a store, computed once per (store, cutoff) and kept
-beside it in ``<store>.pairs-cutoff<c>.npz``.
+"""The pairs of every molecule of a store, computed once per (store, cutoff) and kept beside
+it: radius pairs i < j, built here into ``<store>.pairs-cutoff<c>.npz``, or for a store
+with cells its periodic pairs (:mod:`.periodic_pairs`). Both files are pairs files
+(:mod:`.pairs_file`: layout, checks, rebuild when stale).
 
-File layout (M molecules, P unordered pairs in all)::
-
-    i, j     uint8 (or wider) [P]   local atom indices, i < j, row-major within a molecule
-    offsets  int64 [M + 1]          molecule m owns pairs offsets[m]:offsets[m + 1]
-    version, created, num_molecules, num_atoms, cutoff, checksum (crc32 of offsets, i, j)
-
-A file whose version, store stamp, sizes, cutoff or checksum disagree, or that cannot be
-read, is rebuilt with a warning, never used. The packer's edge counts are twice the pairs of
-each molecule, so planning and batches come from one computation.
+The packer's edge counts are twice the pairs of each molecule, so planning and batches come
+from one computation.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import os
-import sys
-import time
-import warnings
-import zlib
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import Tensor
-from tqdm import tqdm
 
 from schnet_ipu import compiled_feed
 
 from .graphs import pairs_within_cutoff
+from .pairs_file import RadiusPairs, build_in_runs, cached_pairs
+from .periodic_pairs import periodic_pairs
 from .store import MoleculeStore
 
 log = logging.getLogger(__name__)
@@ -47,28 +36,6 @@ _BLOCK_ELEMENTS = 1 << 22
 # A pair (i, j) in a local index dtype of 1, 2 or 4 bytes read as one integer (twice as wide):
 # kept codes viewed back as that dtype are the [P, 2] (i, j) rows.
 _CODE_DTYPES = {1: np.int16, 2: np.int32, 4: np.int64}
-
-
-@dataclass(frozen=True)
-class RadiusPairs:
-    """Unordered pairs within ``cutoff`` of every store molecule (see the module docstring)."""
-
-    i: np.ndarray  # [P] local index of the first atom (unsigned, smallest dtype that fits)
-    j: np.ndarray  # [P] local index of the second atom, j > i
-    offsets: np.ndarray  # int64 [M + 1]
-    cutoff: float
-
-    @property
-    def counts(self) -> np.ndarray:
-        """int64 [M] unordered pairs per molecule."""
-        return np.diff(self.offsets)
-
-    def checksum(self) -> int:
-        """crc32 of the bytes of offsets, i, j (read in place, not copied)."""
-        crc = 0
-        for values in (self.offsets, self.i, self.j):
-            crc = zlib.crc32(np.ascontiguousarray(values), crc)
-        return crc
 
 
 def pairs_path(store: MoleculeStore, cutoff: float) -> Path:
@@ -88,8 +55,6 @@ def radius_pairs(
     if not isinstance(store, MoleculeStore):
         store = MoleculeStore(store)
     if store.periodic:
-        from .periodic_pairs import periodic_pairs  # it imports RadiusPairs from here
-
         return periodic_pairs(store, cutoff, positions, progress)
     return cached_pairs(
         pairs_path(store, cutoff),
@@ -99,36 +64,6 @@ def radius_pairs(
         PAIRS_VERSION,
         lambda: build_pairs(store, cutoff, positions, progress),
     )
-
-
-def cached_pairs(
-    path: Path,
-    store: MoleculeStore,
-    cutoff: float,
-    kind: type[RadiusPairs],
-    version: int,
-    build: Callable[[], RadiusPairs],
-) -> RadiusPairs:
-    """The pairs file at ``path`` (pairs of class ``kind``, file format ``version``) when it
-    belongs to ``store`` and ``cutoff``; else ``build()``, saved there (a file that
-    disagrees or cannot be read is rebuilt with a warning, never used)."""
-    if path.is_file():
-        pairs, problem = _load(path, store, cutoff, kind, version)
-        if pairs is not None:
-            return pairs
-        warnings.warn(f"{path}: {problem}; rebuilding it", stacklevel=3)
-    start = time.perf_counter()
-    pairs = build()
-    _save(path, pairs, store, version)
-    log.info(
-        "%s (cutoff %g): %d pairs in %.1f s, saved at %s",
-        kind.__name__,
-        cutoff,
-        len(pairs.i),
-        time.perf_counter() - start,
-        path,
-    )
-    return pairs
 
 
 def edge_counts(store: MoleculeStore | str | Path, cutoff: float) -> np.ndarray:
@@ -168,19 +103,8 @@ def build_pairs(
         part = slice(lo, lo + run)
         return run_pairs(coords, store.offsets[part], sizes[part], cutoff, dtype)
 
-    bar = tqdm(
-        total=len(store),
-        desc=f"radius pairs (cutoff {cutoff:g})",
-        unit="mol",
-        delay=1.0,  # shown only when the build is long
-        disable=not progress,
-        file=sys.stderr,
-    )
-    starts, done = range(0, len(store), run), []
-    with bar, ThreadPoolExecutor(torch.get_num_threads()) as pool:
-        for lo, found in zip(starts, pool.map(test, starts)):
-            done.append(found)
-            bar.update(min(run, len(store) - lo))
+    desc = f"radius pairs (cutoff {cutoff:g})"
+    done = build_in_runs(len(store), run, test, desc, "mol", progress)
     counts = np.concatenate([run_counts for run_counts, _ in done])
     pair_ij = [codes.view(dtype).reshape(-1, 2) for _, codes in done]  # [P_run, 2] each
     i = np.concatenate([ij[:, 0] for ij in pair_ij])
@@ -255,48 +179,3 @@ class _PairTable:
         i, j = np.triu_indices(n, 1)
         code = np.stack([i, j], 1).astype(dtype).view(_CODE_DTYPES[dtype.itemsize]).ravel()
         return cls(torch.from_numpy(i), torch.from_numpy(j), code)
-
-
-def _save(path: Path, pairs: RadiusPairs, store: MoleculeStore, version: int) -> None:
-    """The pairs' arrays (every field but the cutoff) and what ties them to ``store``."""
-    arrays = {f.name: getattr(pairs, f.name) for f in fields(pairs) if f.name != "cutoff"}
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.npz")  # concurrent writers: own files
-    np.savez(
-        tmp,
-        **arrays,
-        version=version,
-        created=str(store.attrs.get("created", "")),
-        num_molecules=len(store),
-        num_atoms=int(store.offsets[-1]),
-        cutoff=pairs.cutoff,
-        checksum=pairs.checksum(),
-    )
-    tmp.replace(path)
-
-
-def _load(
-    path: Path, store: MoleculeStore, cutoff: float, kind: type[RadiusPairs], version: int
-) -> tuple[RadiusPairs | None, str | None]:
-    """(pairs, None) when the file belongs to this store, cutoff and ``version``, else
-    (None, why not)."""
-    names = [f.name for f in fields(kind) if f.name != "cutoff"]
-    try:
-        with np.load(path) as saved:
-            meta = {k: saved[k] for k in saved.files if k not in names}
-            if int(meta.get("version", -1)) != version:
-                return None, f"pairs file version {meta.get('version')} != {version}"
-            expected = {
-                "created": str(store.attrs.get("created", "")),
-                "num_molecules": len(store),
-                "num_atoms": int(store.offsets[-1]),
-                "cutoff": float(cutoff),
-            }
-            for key, value in expected.items():
-                if type(value)(meta[key]) != value:
-                    return None, f"written for another store or cutoff ({key} differs)"
-            pairs = kind(**{k: saved[k] for k in names}, cutoff=float(cutoff))
-    except Exception as err:  # a truncated or foreign file: any read error means rebuild
-        return None, f"unreadable ({type(err).__name__}: {err})"
-    if len(pairs.offsets) != len(store) + 1 or pairs.checksum() != int(meta["checksum"]):
-        return None, "checksum mismatch (corrupt)"
-    return pairs, None

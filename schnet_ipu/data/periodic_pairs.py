@@ -31,18 +31,15 @@ periodic, quantities)``).
 from __future__ import annotations
 
 import logging
-import sys
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
-from tqdm import tqdm
 
-from .pairs import RadiusPairs, cached_pairs
-from .store import MoleculeStore, StoreError
+from .checks import StoreError
+from .pairs_file import RadiusPairs, build_in_runs, cached_pairs
+from .store import MoleculeStore
 
 log = logging.getLogger(__name__)
 
@@ -130,19 +127,8 @@ def build_periodic_pairs(
             raise PairCountError(f"{store.record_name(m)}: {message}") from None
         return counts, i.astype(dtype), j.astype(dtype), shift
 
-    bar = tqdm(
-        total=len(store),
-        desc=f"periodic pairs (cutoff {cutoff:g})",
-        unit="frame",
-        delay=1.0,
-        disable=not progress,
-        file=sys.stderr,
-    )
-    starts, done = range(0, len(store), RUN_FRAMES), []
-    with bar, ThreadPoolExecutor(torch.get_num_threads()) as pool:
-        for lo, found in zip(starts, pool.map(run, starts)):
-            done.append(found)
-            bar.update(min(RUN_FRAMES, len(store) - lo))
+    desc = f"periodic pairs (cutoff {cutoff:g})"
+    done = build_in_runs(len(store), RUN_FRAMES, run, desc, "frame", progress)
     counts, i, j, shift = (np.concatenate([d[k] for d in done]) for k in range(4))
     offsets = np.concatenate([[0], np.cumsum(counts)])
     return PeriodicPairs(i=i, j=j, offsets=offsets, cutoff=float(cutoff), shift=shift)

@@ -17,7 +17,9 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from .store import ATOMIC_NUMBER, NUM_ELEMENTS, StoreError, write_store
+from .checks import StoreError
+from .elements import ATOMIC_NUMBER, NUM_ELEMENTS
+from .writer import write_store
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .store import StoreError
+from .checks import StoreError
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .store import write_store
+from .writer import write_store
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from .store import StoreError
+from .checks import StoreError
 from .water import CHARGES, COULOMB, LJ_EPSILON, LJ_SIGMA, relax_clusters, water_geometry
 from .writer import StoreWriter
 

@@ -1,4 +1,9 @@
-"""Streaming store writer: molecules appended chunk by chunk, never all in memory at once.
+"""Writing stores: all at once (:func:`write_store`) or streamed chunk by chunk
+(:class:`StoreWriter`). Both check every record first (:mod:`.checks`) and lay the file out
+through :mod:`.layout`, in a temp file beside the store that only a complete write renames
+into place.
+
+Streaming, for stores too large for memory::
 
     writer = StoreWriter(path, num_atoms, units={"energy": "kcal/mol"}, key="params...")
     for first in range(writer.written, len(num_atoms), chunk):  # resumes where it stopped
@@ -6,39 +11,174 @@
     writer.finish()  # renames the temp file into place
 
 The datasets are preallocated from the known atom counts (``num_atoms`` [M]) in a temp file
-``.<name>.partial`` beside the store, in the schema of :mod:`schnet_ipu.data.store`. After
-each chunk the file is flushed and its ``written_molecules`` attribute advanced, so a killed
-or disk-full run leaves a partial file that a new writer with the same ``key`` resumes, and
-that :class:`MoleculeStore` refuses (``complete`` is False). Only ``finish`` renames it to
-the store path. A chunk with a bad record (unknown element, non-finite value) is refused
-before anything of it is written, and closing the writer unfinished then deletes the partial
-file: bad input leaves nothing behind.
+``.<name>.partial`` beside the store. After each chunk the file is flushed and its
+``written_molecules`` attribute advanced, so a killed or disk-full run leaves a partial file
+that a new writer with the same ``key`` resumes, and that :class:`MoleculeStore` refuses
+(``complete`` is False). Only ``finish`` renames it to the store path. A chunk with a bad
+record (unknown element, non-finite value) is refused before anything of it is written, and
+closing the writer unfinished then deletes the partial file: bad input leaves nothing behind.
 """
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import h5py
 import numpy as np
 
-from .store import (
-    ATOM_CHUNK,
-    COMPRESSION,
-    MOLECULE_CHUNK,
+from .checks import (
     StoreError,
-    byte_shuffle,
-    invalid_cells,
-    invalid_records,
-    root_attributes,
+    checked_masks,
+    checked_periodic,
+    checked_targets,
+    invalid_frames,
 )
+from .elements import NUM_ELEMENTS, atomic_numbers
+from .layout import Frames, Header, create_layout, mark_created, write_frames
 
 log = logging.getLogger(__name__)
+
+
+def write_store(
+    path: str | Path,
+    z: Sequence[Any] | np.ndarray,
+    pos: Sequence[Any] | np.ndarray,
+    targets: Mapping[str, Any],
+    units: Mapping[str, str],
+    *,
+    offsets: Sequence[int] | np.ndarray | None = None,
+    ids: Sequence[int] | np.ndarray | None = None,
+    descriptions: Mapping[str, str] | None = None,
+    attrs: Mapping[str, Any] | None = None,
+    atomrefs: Mapping[str, Any] | None = None,
+    forces: Sequence[Any] | np.ndarray | None = None,
+    forces_unit: str = "",
+    cell: Sequence[Any] | np.ndarray | None = None,
+    pbc: Sequence[Any] | np.ndarray | None = None,
+    stress: Sequence[Any] | np.ndarray | None = None,
+    stress_unit: str = "",
+    forces_mask: Sequence[bool] | np.ndarray | None = None,
+    stress_mask: Sequence[bool] | np.ndarray | None = None,
+    origin: str | None = None,
+    skip_invalid: bool = False,
+) -> Path:
+    """Validate molecules and write them atomically (temp file in the same folder, renamed).
+
+    ``z`` and ``pos`` are either per-molecule lists (``z[i]`` [n_i], ``pos[i]`` [n_i, 3]) or
+    concatenated arrays ([A], [A, 3]) with ``offsets`` [M + 1]. Elements are atomic numbers or
+    symbols ("C"). ``targets[name]`` is [M]; ``units[name]`` its unit. ``ids`` [M] default to
+    0..M-1. ``forces`` (optional) are per-atom like ``pos`` ([A, 3], or per-molecule
+    [n_i, 3]) in ``forces_unit``. ``cell`` [M, 3, 3] (rows are the lattice vectors; zeros
+    for a molecule) and ``pbc`` bool [M, 3] make a periodic store; ``stress`` [M, 3, 3] (needs
+    them) is in ``stress_unit``. ``forces_mask`` / ``stress_mask`` bool [M] (optional, with
+    forces / stress): which frames carry them, the others holding zeros (partial labels;
+    the store is then version 2). ``atomrefs[name]`` [119] (optional): a target's
+    per-element reference. ``origin`` names the source files in error messages.
+    Nothing is written when any check fails; with ``skip_invalid`` the bad records are
+    dropped instead, listed in a warning and in the ``skipped_records`` attribute (their ids).
+    """
+    path = Path(path)
+    where = f"{origin or path}"
+    if offsets is None:
+        counts = np.array([len(m) for m in z], dtype=np.int64)
+        offsets = np.concatenate([[0], np.cumsum(counts)])
+        z = np.concatenate([np.asarray(m).reshape(-1) for m in z]) if len(z) else np.zeros(0)
+        pos = _per_atom(pos)
+        forces = None if forces is None else _per_atom(forces)
+    offsets = np.asarray(offsets, dtype=np.int64)
+    num_molecules = len(offsets) - 1
+    ids = np.arange(num_molecules, dtype=np.int64) if ids is None else np.asarray(ids, np.int64)
+    if num_molecules < 1 or offsets[0] != 0 or np.any(np.diff(offsets) < 0):
+        raise StoreError(f"{where}: offsets must start at 0 and not decrease (M >= 1)")
+    if len(ids) != num_molecules:
+        raise StoreError(f"{where}: {len(ids)} ids for {num_molecules} molecules")
+    labels = np.asarray(z).reshape(-1)
+    z_num = atomic_numbers(labels)
+    pos_arr = np.asarray(pos, dtype=np.float32)
+    if pos_arr.shape != (offsets[-1], 3) or len(z_num) != offsets[-1]:
+        raise StoreError(
+            f"{where}: expected {offsets[-1]} atoms (z [A], pos [A, 3]), got z {len(z_num)}, "
+            f"pos {pos_arr.shape}"
+        )
+    forces_arr = None if forces is None else np.asarray(forces, dtype=np.float32)
+    if forces_arr is not None and forces_arr.shape != pos_arr.shape:
+        raise StoreError(f"{where}: forces {forces_arr.shape} do not match pos {pos_arr.shape}")
+    target_arrays = checked_targets(targets, units, num_molecules, where)
+    cell, pbc, stress = checked_periodic(cell, pbc, stress, num_molecules, where)
+    masks = checked_masks(
+        {"forces": (forces_mask, forces_arr), "stress": (stress_mask, stress)}, num_molecules, where
+    )
+    frames = Frames(
+        offsets, z_num, pos_arr, ids, target_arrays, forces_arr, cell, pbc, stress, masks
+    )
+    frames, skipped = _without_invalid(frames, labels, where, skip_invalid)
+    ref_arrays = {}
+    for name, ref in (atomrefs or {}).items():
+        ref = np.asarray(ref, dtype=np.float64)
+        if name not in target_arrays or ref.shape != (NUM_ELEMENTS,):
+            raise StoreError(f"{where}: atomref {name!r} needs a target and shape [119]")
+        ref_arrays[name] = ref
+    header = Header(
+        offsets=frames.offsets,
+        units={name: units[name] for name in target_arrays},
+        descriptions=descriptions or {},
+        attrs={**(attrs or {}), **skipped},
+        forces_unit=None if forces_arr is None else forces_unit,
+        periodic=cell is not None,
+        stress_unit=None if stress is None else stress_unit,
+        label_masks=tuple(masks),
+        atomrefs=ref_arrays,
+    )
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with h5py.File(tmp, "w") as f:
+            create_layout(f, header)
+            write_frames(f, frames, 0, 0)
+            mark_created(f)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _without_invalid(
+    frames: Frames, labels: np.ndarray, where: str, skip_invalid: bool
+) -> tuple[Frames, dict[str, np.ndarray]]:
+    """``frames`` when every record is valid; else StoreError naming the first bad one, or
+    with ``skip_invalid`` the valid frames (the others logged) and the ``skipped_records``
+    root attribute (their ids)."""
+    bad = invalid_frames(frames, labels)
+    if not bad:
+        return frames, {}
+
+    def record(i: int) -> str:
+        return f"{where}: record {int(frames.ids[i])} (molecule {i})"
+
+    if not skip_invalid:
+        first = min(bad)
+        raise StoreError(
+            f"{record(first)} {bad[first]} ({len(bad)} bad record(s) in all); fix the source "
+            "or import with --skip-invalid to drop them"
+        )
+    for i in sorted(bad):
+        log.warning("skipped %s %s", record(i), bad[i])
+    if len(bad) == len(frames):
+        raise StoreError(f"{where}: every record is invalid; nothing to write")
+    keep = np.setdiff1d(np.arange(len(frames)), sorted(bad))
+    return frames.select(keep), {"skipped_records": frames.ids[sorted(bad)]}
+
+
+def _per_atom(per_molecule: Sequence[Any]) -> np.ndarray:
+    """Per-molecule [n_i, 3] arrays -> one float32 [A, 3] array."""
+    if not len(per_molecule):
+        return np.zeros((0, 3), dtype=np.float32)
+    return np.concatenate([np.asarray(p, dtype=np.float32).reshape(-1, 3) for p in per_molecule])
 
 
 def partial_path(path: str | Path) -> Path:
@@ -56,7 +196,7 @@ class StoreWriter:
         units: target name -> unit; every :meth:`append` gives each target.
         key: identifies the content (source and parameters); a partial file with the same key
             and counts is resumed, any other partial file is discarded with a warning.
-        descriptions, attrs: as for :func:`schnet_ipu.data.store.write_store`.
+        descriptions, attrs: as for :func:`write_store`.
         periodic: the store holds cells and pbc (every :meth:`append` gives them).
         stress_unit: the store holds stress in this unit (periodic stores only).
     """
@@ -118,42 +258,16 @@ class StoreWriter:
 
     def _create(self, descriptions: Mapping[str, str], attrs: Mapping[str, Any]) -> h5py.File:
         f = h5py.File(self.tmp, "w")
-        molecules, atoms = len(self), int(self.offsets[-1])
-
-        def dataset(name: str, shape: tuple[int, ...], dtype, chunk: int) -> h5py.Dataset:
-            chunks = (min(chunk, shape[0]), *shape[1:])
-            return f.create_dataset(
-                name,
-                shape=shape,
-                dtype=dtype,
-                chunks=chunks,
-                compression=COMPRESSION,
-                shuffle=byte_shuffle(dtype),
-            )
-
-        dataset("z", (atoms,), np.uint8, ATOM_CHUNK)
-        dataset("pos", (atoms, 3), np.float32, ATOM_CHUNK)
-        dataset("offsets", (molecules + 1,), np.int64, MOLECULE_CHUNK)[:] = self.offsets
-        dataset("ids", (molecules,), np.int64, MOLECULE_CHUNK)
-        if self.periodic:
-            dataset("cell", (molecules, 3, 3), np.float64, MOLECULE_CHUNK)
-            dataset("pbc", (molecules, 3), np.bool_, MOLECULE_CHUNK)
-        if self.stress_unit is not None:
-            stress = dataset("stress", (molecules, 3, 3), np.float64, MOLECULE_CHUNK)
-            stress.attrs["unit"] = self.stress_unit
-        f.create_group("targets", track_order=True)
-        for name, unit in self.units.items():
-            ds = dataset(f"targets/{name}", (molecules,), np.float64, MOLECULE_CHUNK)
-            ds.attrs["unit"] = unit
-            ds.attrs["description"] = descriptions.get(name, name)
-        f.attrs.update(
-            {
-                **root_attributes(attrs, molecules, atoms),
-                "complete": False,
-                "written_molecules": 0,
-                "resume_key": self.key,
-            }
+        header = Header(
+            offsets=self.offsets,
+            units=self.units,
+            descriptions=descriptions,
+            attrs=attrs,
+            periodic=self.periodic,
+            stress_unit=self.stress_unit,
         )
+        create_layout(f, header)
+        f.attrs.update({"complete": False, "written_molecules": 0, "resume_key": self.key})
         f.flush()
         return f
 
@@ -188,23 +302,16 @@ class StoreWriter:
         for name, v in values.items():
             if v.shape != (len(ids),):
                 raise StoreError(f"{where}: target {name!r} has shape {v.shape}, not [{len(ids)}]")
-        bad = invalid_records(z, pos, self.offsets[first : stop + 1] - lo, values)
-        periodic = self._periodic(where, len(ids), cell, pbc, stress)
-        for m, reason in invalid_cells(*periodic).items():
-            bad.setdefault(m, reason)
+        cell, pbc, stress = self._periodic(where, len(ids), cell, pbc, stress)
+        offsets = self.offsets[first : stop + 1] - lo
+        frames = Frames(offsets, z, pos, ids, values, cell=cell, pbc=pbc, stress=stress)
+        bad = invalid_frames(frames)
         if bad:
             self.refused = True
             m = min(bad)
             raise StoreError(f"{self.path}: record {int(ids[m])} (molecule {first + m}) {bad[m]}")
         f = self._file
-        for name, v in values.items():
-            f[f"targets/{name}"][first:stop] = v
-        f["z"][lo:hi] = z.astype(np.uint8)
-        f["pos"][lo:hi] = pos
-        f["ids"][first:stop] = ids
-        for name, values in zip(("cell", "pbc", "stress"), periodic):
-            if values is not None:
-                f[name][first:stop] = values
+        write_frames(f, frames, first, lo)
         f.flush()  # the data reaches the file before the progress mark that vouches for it
         f.attrs["written_molecules"] = stop
         f.flush()
@@ -240,7 +347,7 @@ class StoreWriter:
         for name in ("written_molecules", "resume_key"):
             del f.attrs[name]
         f.attrs["complete"] = True
-        f.attrs["created"] = datetime.datetime.now(datetime.timezone.utc).isoformat()
+        mark_created(f)
         f.close()
         os.replace(self.tmp, self.path)
         return self.path
