@@ -40,19 +40,14 @@ def train_command(argv: list[str]) -> int:
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
     parser.add_argument("--print-config", action="store_true", help="print the config, exit")
     parser.add_argument("--fresh", action="store_true", help="discard an existing run directory")
-    parser.add_argument("--resume", action="store_true", help="resume (the default when possible)")
     args = parser.parse_intermixed_args(argv)
     cfg = load_config(args.config, args.overrides)
     if args.print_config:
         print(cfg.to_yaml(), end="")
         return 0
-    from schnet_ipu.runlock import hold_run_lock, launcher_rank
+    from schnet_ipu.training import train  # heavy imports only once the config is valid
 
-    # one writer per run folder, refused before the heavy imports (a second run: < 1 s)
-    with hold_run_lock(Path(cfg.logging.run_dir), holder=launcher_rank() == 0):
-        from schnet_ipu.training import train  # heavy imports only once the config is valid
-
-        final = train(cfg, fresh=args.fresh)
+    final = train(cfg, fresh=args.fresh)  # holds the run folder's lock
     print(json.dumps(final, indent=2))
     return 0
 

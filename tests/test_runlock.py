@@ -185,14 +185,17 @@ def test_stale_lock_taken_over_with_a_warning(tmp_path, caplog):
     assert not lock_path(run_dir).exists()
 
 
-def test_nested_holds_share_one_lock_and_other_ranks_hold_none(tmp_path):
+def test_a_nested_hold_is_refused_and_other_ranks_hold_none(tmp_path):
+    """The lock is taken in one place: a second hold in the same process is an error, whose
+    failed attempt leaves the first hold's lock in force."""
     run_dir = tmp_path / "a/b/run"
     with hold_run_lock(run_dir, holder=False):
         assert not lock_path(run_dir).exists()
     with hold_run_lock(run_dir):
-        with hold_run_lock(run_dir):  # train.py around training.train
-            pass
-        # the inner exit must not have dropped the lock: another process is refused
+        refused = pytest.raises(RuntimeError, match="holds its run lock already")
+        with refused, hold_run_lock(tmp_path / "a/b/../b/run"):  # another spelling, one lock
+            pytest.fail("entered a lock this process holds")
+        # the refused attempt must not have dropped the lock: another process is refused
         probe = subprocess.run(
             [sys.executable, "-c", HOLD, str(run_dir)], env={**os.environ, "PYTHONPATH": str(ROOT)},
             capture_output=True, text=True, timeout=120,
