@@ -45,9 +45,13 @@ def train_command(argv: list[str]) -> int:
     if args.print_config:
         print(cfg.to_yaml(), end="")
         return 0
-    from schnet_ipu.training import train  # heavy imports only once the config is valid
+    from schnet_ipu.runlock import hold_run_lock, launcher_rank
 
-    final = train(cfg, fresh=args.fresh)  # holds the run folder's lock
+    # one writer per run folder, refused before the heavy imports (a second run: < 1 s)
+    with hold_run_lock(Path(cfg.logging.run_dir), holder=launcher_rank() == 0):
+        from schnet_ipu.training import train  # heavy imports only once the config is valid
+
+        final = train(cfg, fresh=args.fresh)
     print(json.dumps(final, indent=2))
     return 0
 

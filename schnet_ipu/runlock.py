@@ -31,17 +31,17 @@ the run folder, which also holds the holder's pid, host and start time as one JS
   when the lock is released, so nothing stays behind after a clean exit.
 * Byte-range locks belong to the process, not the file descriptor: a second ``lockf`` in the
   same process succeeds and closing any descriptor of the file drops the lock. So the lock
-  is taken in one place (``training.train`` for a run, ``train.py`` for evaluate / predict),
-  and a second hold of one folder in the same process is a programming error, raised
-  (``_HELD_HERE``) rather than let its release drop the first. Children do not inherit the
-  lock: under ``launch_replicas`` the parent holds it for its spawned replicas, under
-  torchrun or PopRun rank 0 does.
+  is taken in one place, ``train.py`` (training, evaluate, predict), and a second hold of
+  one folder in the same process is a programming error, raised (``_HELD_HERE``) rather
+  than let its release drop the first. Children do not inherit the lock: under
+  ``launch_replicas`` the parent holds it for its spawned replicas, under torchrun or
+  PopRun rank 0 does.
 * Removing the file on release races with a process that opened it just before: that one
   may lock the removed file. So after locking, the descriptor's inode is compared with the
   path's and the attempt repeated when they differ.
 
-This module imports no torch: ``train.py evaluate`` and ``predict`` take the lock before
-their heavy imports.
+This module imports no torch, so ``train.py`` takes the lock before its heavy imports and a
+second run is refused within a fraction of a second.
 """
 
 from __future__ import annotations

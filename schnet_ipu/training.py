@@ -49,7 +49,6 @@ from schnet_ipu.loader import PackedLoader
 from schnet_ipu.pipeline import make_loader, prepare_data
 from schnet_ipu.run_records import open_run_dir, write_epoch, write_final
 from schnet_ipu.run_state import Progress, RunState, TrainingError, read_resume
-from schnet_ipu.runlock import hold_run_lock, launcher_rank
 from schnet_ipu.runlog import RunLog, read_records
 from schnet_ipu.task import Task, evaluate
 
@@ -58,12 +57,13 @@ log = logging.getLogger("schnet_ipu")
 
 def train(cfg: Config, fresh: bool = False) -> dict:
     """Train as configured (spawning replicas when asked) and return the final record.
-    ``fresh`` discards an existing run directory, once the data has been checked."""
+    ``fresh`` discards an existing run directory, once the data has been checked. The run
+    folder's lock (:mod:`schnet_ipu.runlock`) is the caller's: ``train.py`` takes it before
+    its heavy imports, so a second run is refused at once; spawned replicas run under it."""
     run_dir = Path(cfg.logging.run_dir)
     device = select_device(cfg.backend.device)
-    with hold_run_lock(run_dir, holder=launcher_rank() == 0):  # one writer per run folder
-        launch_replicas(_run_replica, processes_for(cfg.backend, device), cfg, fresh)
-        finals = read_records(run_dir / "metrics.jsonl", "final")
+    launch_replicas(_run_replica, processes_for(cfg.backend, device), cfg, fresh)
+    finals = read_records(run_dir / "metrics.jsonl", "final")
     final = finals[-1] if finals else {}
     if final and cfg.optim.beat_baseline:
         check_beats_baseline(final, run_dir)
