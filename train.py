@@ -40,7 +40,6 @@ def train_command(argv: list[str]) -> int:
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
     parser.add_argument("--print-config", action="store_true", help="print the config, exit")
     parser.add_argument("--fresh", action="store_true", help="discard an existing run directory")
-    parser.add_argument("--resume", action="store_true", help="resume (the default when possible)")
     args = parser.parse_intermixed_args(argv)
     cfg = load_config(args.config, args.overrides)
     if args.print_config:

@@ -20,7 +20,7 @@ import torch
 from schnet_ipu.backends import Backend, TorchBackend, make_backend, select_device
 from schnet_ipu.backends.distributed import ReplicaInfo
 from schnet_ipu.budget import Budget
-from schnet_ipu.config import Config, ConfigError, config_from_dict
+from schnet_ipu.config import IPU_DEVICES, Config, ConfigError, config_from_dict
 from schnet_ipu.data import MoleculeStore
 from schnet_ipu.errors import CheckpointError
 from schnet_ipu.model import SchNet
@@ -62,7 +62,7 @@ def build_model(cfg: Config, data: PreparedData) -> SchNet:
     the ipu op flavour on ``ipu`` and ``ipu-model`` devices."""
     atom_scale = data.residual_std / math.sqrt(data.mean_atoms())
     model_cfg = cfg.model
-    on_ipu = cfg.backend.device in ("ipu", "ipu-model")
+    on_ipu = cfg.backend.device in IPU_DEVICES
     if on_ipu or (cfg.backend.device == "auto" and select_device("auto") == "ipu"):
         # the IPU (also when auto finds one) and its emulator: mapped ops only
         model_cfg = dataclasses.replace(model_cfg, ops="ipu")
@@ -164,7 +164,7 @@ def make_optimizer(cfg: Config, model: torch.nn.Module, device: str) -> torch.op
     over the parameters, 5x faster than the per-tensor loop for SchNet on a CPU; torch
     before 2.4, the Poplar SDK's 2.0.1, has no fused CPU kernel and raises if asked); on the
     IPU PopTorch's, which keeps its state on the device and clips there."""
-    if device in ("ipu", "ipu-model"):
+    if device in IPU_DEVICES:
         from schnet_ipu.backends.poptorch_backend import make_optimizer as make_ipu_optimizer
 
         oc = cfg.optim

@@ -3,25 +3,60 @@
     cfg = load_config("configs/qm9.yaml", ["optim.lr=5e-4", "data.subset=20000"])
 
 Every mistake is reported before anything runs: an unknown key names the closest valid
-key, a wrong type names the key, the expected type and the value, and impossible values
-say what to change. Checks that need the data (a pack limit below the largest molecule,
-more replicas than packs) live beside the data and raise :class:`ConfigError` too.
+key (a removed key what replaced it), a wrong type names the key, the expected type and the
+value, and impossible values say what to change. Checks that need the data (a pack limit
+below the largest molecule, more replicas than packs) live beside the data and raise
+:class:`ConfigError` too. The keys and their defaults are declared in
+:mod:`schnet_ipu.config_schema` and re-exported here.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import importlib.util
 import math
 import typing
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from schnet_ipu.errors import UserError
+from schnet_ipu.config_schema import (
+    CHOICES,
+    IPU_DEVICES,
+    NON_NEGATIVE,
+    POSITIVE,
+    REMOVED_KEYS,
+    BackendConfig,
+    Config,
+    ConfigError,
+    DataConfig,
+    LoaderConfig,
+    LoggingConfig,
+    ModelConfig,
+    OptimConfig,
+    PackingConfig,
+)
+
+__all__ = [
+    "IPU_DEVICES",
+    "BackendConfig",
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "LoaderConfig",
+    "LoggingConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "PackingConfig",
+    "apply_override",
+    "check_ipu_replicas",
+    "config_from_dict",
+    "load_config",
+    "validate",
+]
 
 # Field annotations are strings (``from __future__ import annotations``); resolving them with
 # these names keeps ``list[int]`` readable on Python 3.8 (the Poplar SDK's), where the builtin
@@ -32,202 +67,6 @@ _GENERICS = {"list": typing.List, "tuple": typing.Tuple, "dict": typing.Dict}
 def _field_types(cls: type) -> dict[str, Any]:
     """The resolved annotation of every field of dataclass ``cls``."""
     return typing.get_type_hints(cls, localns=_GENERICS)
-
-
-class ConfigError(UserError, ValueError):
-    """A configuration that cannot run, with a message saying what to change."""
-
-
-@dataclass
-class DataConfig:
-    source: str = "qm9"  # qm9 (from qm9pack) | qm9-raw (PyG raw files) | hydronet | water | ase
-    path: str = "data/qm9.h5"  # the HDF5 molecule store; imported from `source` if missing
-    raw_dir: str = ""  # folder of raw files for qm9-raw and hydronet
-    hydronet_subset: str = "small"  # small (500k sample) | medium (W3-W25) | large (W3-W30)
-    water_clusters: int = 2000  # synthetic water: number of clusters
-    water_sizes: list[int] = field(default_factory=lambda: [3, 30])  # min, max waters
-    water_distribution: str = "uniform"  # sizes: uniform | hydronet (HydroNet's shares)
-    water_templates: int = 0  # 0: relax every cluster; N: sample around N relaxed per size
-    files: list[str] = field(default_factory=list)  # ase: files ase.io.read reads (extxyz, db)
-    energy_key: str = "energy"  # ase: atoms.info key (or calculator result) of the energy
-    forces_key: str = "forces"  # ase: atoms.arrays key (or calculator result) of the forces
-    target: str = "U0"  # target name in the store
-    atomrefs: bool = True  # subtract per-element reference energies (atomization energy)
-    subset: int = 0  # use only this many molecules (random, from the seed); 0 = all
-    val: float = 0.1  # validation share: a fraction (< 1) or a count (>= 1)
-    test: float = 0.1  # test share: a fraction (< 1) or a count (>= 1)
-
-
-@dataclass
-class PackingConfig:
-    algorithm: str = "tuple"  # tuple (atoms and edges) | lpfhp (atoms) | pad_to_max
-    max_nodes: int = 0  # atoms per pack; 0 = smallest limit reaching target_efficiency
-    max_edges: int = 0  # directed edges per pack (radius graphs); 0 = search
-    max_graphs: int = 0  # molecules per pack; 0 = derived from the data
-    packs_per_batch: int = 8  # B: packs in one micro-batch
-    target_efficiency: float = 0.97  # for the automatic limit search
-    heuristic: str = "sum"  # tuple packing: sum | product | max | min | nodes | edges
-    replica_balance: str = "none"  # none | cost_model (group micro-batches of like cost per step)
-
-
-@dataclass
-class LoaderConfig:
-    workers: int = 0  # threads assembling batch chunks ahead; 0 = only while the step waits
-    prefetch: int = 4  # chunks assembled ahead (threads), batches copied ahead (CUDA)
-    device_resident: str = "auto"  # auto | true | false: assemble batches on the device
-    cache: bool = True  # store.molecule() cache (benchmarks); the feed reads whole arrays
-
-
-@dataclass
-class ModelConfig:
-    hidden_channels: int = 100
-    num_filters: int = 100
-    num_interactions: int = 4
-    num_gaussians: int = 25
-    cutoff: float = 6.0
-    graph: str = "radius"  # radius (precomputed edges) | knn (on device, per pack)
-    k: int = 24  # neighbours per atom for knn graphs
-    readout: str = "sum"  # sum | mean
-    pair_symmetric: bool = True  # radius graphs: one filter per unordered pair
-    stable_softplus: bool = True  # False = naive log(1 + exp(x)) - log 2, for the ablation
-    ops: str = "torch"  # op flavour: torch (CPU/CUDA) | ipu (PopTorch-mapped; ipu devices force it)
-    message_passing: str = "sparse"  # sparse (edge lists) | dense ([M, M] pair blocks per pack)
-    filter: str = "table"  # table (per block on a grid, cubic Hermite) | exact (network per edge)
-    filter_points: int = 256  # grid points K of filter=table on [0, cutoff]
-
-
-@dataclass
-class OptimConfig:
-    epochs: int = 100
-    lr: float = 1e-3
-    schedule: str = "plateau"  # plateau | cosine | constant
-    warmup_steps: int = 0  # cosine: linear warmup steps
-    plateau_patience: int = 5  # plateau: epochs without improvement before decay
-    plateau_factor: float = 0.5
-    min_lr: float = 1e-5
-    grad_clip: float = 10.0  # max gradient norm; 0 = off
-    weight_decay: float = 0.0
-    forces_weight: float = 0.0  # weight of the standardised force loss; 0 = energies only
-    stress_weight: float = 0.0  # weight of the standardised stress loss (stores with stress)
-    max_minutes: float = 0.0  # wall-clock budget of the training loop; 0 = off (epochs only)
-    ema_decay: float = 0.0  # average of the weights for validation, test and model files; 0 = off
-    # divergence guard (schnet_ipu/guard.py): a read of the step losses (every logging.log_every
-    # host calls) above spike_factor x the median of the last spike_window reads, or a
-    # validation loss above spike_factor x the best, rolls back to the last good weights and
-    # optimiser state (kept in memory) and multiplies the lr by spike_lr_factor; a spike after
-    # spike_rollbacks rollbacks stops the run (exit 2, best.pt kept)
-    spike_guard: bool = True
-    spike_factor: float = 10.0
-    spike_window: int = 20
-    spike_lr_factor: float = 0.5
-    spike_rollbacks: int = 4
-    beat_baseline: bool = True  # exit 2 unless the test MAE beats the dressed-atom baseline
-
-
-@dataclass
-class BackendConfig:
-    device: str = "auto"  # auto | cpu | cuda | ipu | ipu-model
-    replicas: int = 1  # data-parallel replicas (processes)
-    device_iterations: int = 1  # optimiser steps per host call
-    gradient_accumulation: int = 1  # micro-batches per optimiser step
-    merge_allreduce: bool = True  # one all-reduce over a flat buffer per step
-    shared_memory_allreduce: bool = True  # CPU replicas spawned on one host: no gloo
-    compile: bool = False  # torch.compile the step for the fixed batch signature
-    threads: int = 0  # CPU threads per training process; 0 = torch's default
-    dist_backend: str = "auto"  # auto (gloo on cpu, nccl on cuda) | gloo | nccl
-    executable_cache: str = ""  # PopTorch executable cache; "" = <run_dir>/executables
-    cuda_graphs: str = "auto"  # whole step as one CUDA graph: auto (on for cuda) | true | false
-    precision: str = "fp32"  # fp32 | tf32 (CUDA matmuls) | bf16 (autocast, fp32 weights)
-
-
-@dataclass
-class LoggingConfig:
-    run_dir: str = "runs/qm9"
-    log_every: int = 20  # steps between step records in metrics.jsonl
-    progress: bool = True  # tqdm bars
-    wandb: bool = False
-    wandb_mode: str = "offline"  # offline | online | disabled
-    plot: bool = True  # learning-curve PNG at the end
-
-
-@dataclass
-class Config:
-    seed: int = 0
-    data: DataConfig = field(default_factory=DataConfig)
-    packing: PackingConfig = field(default_factory=PackingConfig)
-    loader: LoaderConfig = field(default_factory=LoaderConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    backend: BackendConfig = field(default_factory=BackendConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def to_yaml(self) -> str:
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
-
-
-CHOICES: dict[str, tuple[str, ...]] = {
-    "data.source": ("qm9", "qm9-raw", "hydronet", "water", "ase"),
-    "data.hydronet_subset": ("small", "medium", "large"),
-    "data.water_distribution": ("uniform", "hydronet"),
-    "packing.algorithm": ("lpfhp", "tuple", "pad_to_max"),
-    "packing.heuristic": ("product", "sum", "max", "min", "nodes", "edges"),
-    "packing.replica_balance": ("none", "cost_model"),
-    "model.graph": ("knn", "radius"),
-    "model.readout": ("sum", "mean"),
-    "model.ops": ("torch", "ipu", "triton"),
-    "loader.device_resident": ("auto", "true", "false"),
-    "model.message_passing": ("sparse", "dense"),
-    "model.filter": ("exact", "table"),
-    "optim.schedule": ("plateau", "cosine", "constant"),
-    "backend.device": ("auto", "cpu", "cuda", "ipu", "ipu-model"),
-    "backend.dist_backend": ("auto", "gloo", "nccl"),
-    "backend.cuda_graphs": ("auto", "true", "false"),
-    "backend.precision": ("fp32", "tf32", "bf16"),
-    "logging.wandb_mode": ("offline", "online", "disabled"),
-}
-
-POSITIVE = (
-    "packing.packs_per_batch",
-    "model.hidden_channels",
-    "model.num_filters",
-    "model.num_interactions",
-    "model.num_gaussians",
-    "model.cutoff",
-    "model.k",
-    "model.filter_points",
-    "optim.epochs",
-    "optim.lr",
-    "optim.spike_window",
-    "backend.replicas",
-    "backend.device_iterations",
-    "backend.gradient_accumulation",
-    "logging.log_every",
-)
-
-NON_NEGATIVE = (
-    "data.subset",
-    "data.water_clusters",
-    "data.water_templates",
-    "data.val",
-    "data.test",
-    "packing.max_nodes",
-    "packing.max_edges",
-    "packing.max_graphs",
-    "loader.workers",
-    "optim.warmup_steps",
-    "optim.min_lr",
-    "optim.grad_clip",
-    "optim.weight_decay",
-    "optim.forces_weight",
-    "optim.stress_weight",
-    "optim.max_minutes",
-    "optim.ema_decay",
-    "optim.spike_rollbacks",
-    "backend.threads",
-)
 
 
 def load_config(
@@ -253,17 +92,31 @@ def load_config(
     for item in overrides:
         apply_override(cfg, item)
     validate(cfg)
-    if cfg.backend.device in ("ipu", "ipu-model"):  # a run to launch: the IPUs to reserve
+    if cfg.backend.device in IPU_DEVICES:  # a run to launch: the IPUs to reserve
         where = "backend.replicas" if instances is None else "backend.replicas per instance"
         check_ipu_replicas(_replicas_per_process(cfg.backend, instances), cfg.backend.device, where)
     return cfg
 
 
 def config_from_dict(raw: dict[str, Any]) -> Config:
-    """Rebuild a validated config from ``Config.to_dict()`` output (checkpoints, run dirs)."""
-    cfg = _build(Config, raw, prefix="")
+    """Rebuild a validated config from ``Config.to_dict()`` output (checkpoints, run dirs),
+    also one saved before the keys of ``REMOVED_KEYS`` went."""
+    cfg = _build(Config, _without_removed_keys(raw), prefix="")
     validate(cfg)
     return cfg
+
+
+def _without_removed_keys(raw: dict[str, Any]) -> dict[str, Any]:
+    """A stored config with the removed keys translated: ``logging.wandb`` (false: no wandb
+    whatever ``wandb_mode`` said) and ``loader.cache`` (no effect) go."""
+    raw = copy.deepcopy(raw)
+    logging_section, loader = raw.get("logging"), raw.get("loader")
+    wandb_on = logging_section.pop("wandb", True) if isinstance(logging_section, dict) else True
+    if not wandb_on:
+        logging_section["wandb_mode"] = "disabled"
+    if isinstance(loader, dict):
+        loader.pop("cache", None)
+    return raw
 
 
 def apply_override(cfg: Config, item: str) -> None:
@@ -409,6 +262,8 @@ def _known_field(instance: Any, name: str, prefix: str) -> str:
     names = [f.name for f in dataclasses.fields(instance)]
     if name in names:
         return name
+    if prefix + name in REMOVED_KEYS:
+        raise ConfigError(f"config key {prefix}{name} was removed: {REMOVED_KEYS[prefix + name]}")
     close = difflib.get_close_matches(name, names, n=1, cutoff=0.5)
     hint = f"; did you mean {prefix}{close[0]}?" if close else f"; valid keys: {', '.join(names)}"
     raise ConfigError(f"unknown config key {prefix}{name}{hint}")

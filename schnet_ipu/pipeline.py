@@ -102,7 +102,7 @@ class PreparedData:
 def prepare_data(cfg: Config) -> PreparedData:
     timings: dict[str, float] = {}
     with stage("store", timings):
-        store = MoleculeStore(ensure_store(cfg.data, cfg.logging.progress), cache=cfg.loader.cache)
+        store = MoleculeStore(ensure_store(cfg.data, cfg.logging.progress))
         log.info("store %s: %d molecules, %s", store.path, len(store), store.attrs.get("source"))
         if cfg.model.graph == "knn" and store.periodic:
             raise ConfigError(

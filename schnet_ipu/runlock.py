@@ -30,10 +30,12 @@ the run folder, which also holds the holder's pid, host and start time as one JS
   and a run refused for bad input leaves the folder exactly as it was. The file is removed
   when the lock is released, so nothing stays behind after a clean exit.
 * Byte-range locks belong to the process, not the file descriptor: a second ``lockf`` in the
-  same process succeeds and closing any descriptor of the file drops the lock. So one
-  process opens the lock file once; nested holds (``train.py`` around ``training.train``)
-  share it through ``_HELD``. Children do not inherit the lock: under ``launch_replicas``
-  the parent holds it for its spawned replicas, under torchrun or PopRun rank 0 does.
+  same process succeeds and closing any descriptor of the file drops the lock. So the lock
+  is taken in one place, ``train.py`` (training, evaluate, predict), and a second hold of
+  one folder in the same process is a programming error, raised (``_HELD_HERE``) rather
+  than let its release drop the first. Children do not inherit the lock: under
+  ``launch_replicas`` the parent holds it for its spawned replicas, under torchrun or
+  PopRun rank 0 does.
 * Removing the file on release races with a process that opened it just before: that one
   may lock the removed file. So after locking, the descriptor's inode is compared with the
   path's and the attempt repeated when they differ.
@@ -66,7 +68,7 @@ _HELD_ERRNOS = (errno.EAGAIN, errno.EACCES)
 _NO_LOCKS_ERRNOS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)
 _ATTEMPTS = 10  # tries when the lock file is removed under us between open and lock
 
-_HELD: dict[str, list[int]] = {}  # lock path -> [file descriptor, nesting depth]
+_HELD_HERE: set[str] = set()  # lock paths this process holds
 
 
 class RunLockError(UserError, RuntimeError):
@@ -103,24 +105,19 @@ def hold_run_lock(run_dir: Path, holder: bool = True) -> Iterator[None]:
         return
     path = lock_path(run_dir)
     key = str(path)
-    if key in _HELD:  # this process holds it already: share the one descriptor
-        _HELD[key][1] += 1
-        try:
-            yield
-        finally:
-            _HELD[key][1] -= 1
-        return
+    if key in _HELD_HERE:  # its release would drop the outer hold's lock (see Design)
+        raise RuntimeError(f"{run_dir}: this process holds its run lock already")
     made = _missing_parents(path.parent)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = _acquire(path, Path(run_dir))
     if fd is None:
         yield
         return
-    _HELD[key] = [fd, 1]
+    _HELD_HERE.add(key)
     try:
         yield
     finally:
-        del _HELD[key]
+        _HELD_HERE.discard(key)
         _release(path, fd)
         for folder in made:  # folders made only for the lock, if the run left them empty
             try:

@@ -1,4 +1,4 @@
-"""The run directory's logs: metrics.jsonl, optional wandb (offline by default), the plot.
+"""The run directory's logs: metrics.jsonl, optional wandb (logging.wandb_mode), the plot.
 
 ``metrics.jsonl`` holds one JSON object per line with ``"kind"`` in ``step``, ``epoch``,
 ``final`` (and ``stage`` for the timings of data preparation, ``rollback`` for each rollback
@@ -36,12 +36,13 @@ class RunLog:
     def __init__(self, run_dir: Path, cfg: Config) -> None:
         self.path = run_dir / "metrics.jsonl"
         self.wandb = None
-        if cfg.logging.wandb and cfg.logging.wandb_mode != "disabled":
+        if cfg.logging.wandb_mode != "disabled":
             try:
                 import wandb
             except ImportError as err:
                 raise ConfigError(
-                    "logging.wandb=true needs the wandb package: pip install 'schnet-ipu[wandb]'"
+                    f"logging.wandb_mode={cfg.logging.wandb_mode} needs the wandb package: "
+                    "pip install 'schnet-ipu[wandb]'"
                 ) from err
             self.wandb = wandb.init(
                 project="schnet-ipu",

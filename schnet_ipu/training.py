@@ -10,16 +10,15 @@ The components come from :mod:`schnet_ipu.components`, the loss and metrics from
 (:mod:`schnet_ipu.task`); every checkpoint is a self-contained model file
 (:mod:`schnet_ipu.model_file`). The divergence guard (:mod:`schnet_ipu.guard`, on unless
 ``optim.spike_guard=false``) rolls a blow-up of the loss back, and a run whose test MAE does
-not beat the dressed-atom baseline ends with an error (``optim.beat_baseline``). Over 400
-lines: the loop's parts (epoch, reads, records, Ctrl-C) share its state and read best
-together.
+not beat the dressed-atom baseline ends with an error (``optim.beat_baseline``). What the
+run writes in its folder besides checkpoints (the records, the plot) is
+:mod:`schnet_ipu.run_records`.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import shutil
 import signal
 import time
 from contextlib import contextmanager
@@ -46,13 +45,13 @@ from schnet_ipu.checkpoint import load_checkpoint, save_checkpoint
 from schnet_ipu.components import make_scheduler, make_trainer, model_spec
 from schnet_ipu.config import Config
 from schnet_ipu.errors import TrainingError
-from schnet_ipu.evaluation import evaluate, trivial_baselines
+from schnet_ipu.evaluation import evaluate
 from schnet_ipu.guard import Spike, SpikeGuard, Trainee, check_beats_baseline
 from schnet_ipu.loader import PackedLoader
-from schnet_ipu.pipeline import PreparedData, make_loader, prepare_data
+from schnet_ipu.pipeline import make_loader, prepare_data
+from schnet_ipu.run_records import open_run_dir, write_epoch, write_final
 from schnet_ipu.run_state import Progress, RunState, read_resume
-from schnet_ipu.runlock import hold_run_lock, launcher_rank
-from schnet_ipu.runlog import RunLog, plot_learning_curve, read_records, truncate_after
+from schnet_ipu.runlog import RunLog, read_records
 from schnet_ipu.task import Task
 
 log = logging.getLogger("schnet_ipu")
@@ -60,12 +59,13 @@ log = logging.getLogger("schnet_ipu")
 
 def train(cfg: Config, fresh: bool = False) -> dict:
     """Train as configured (spawning replicas when asked) and return the final record.
-    ``fresh`` discards an existing run directory, once the data has been checked."""
+    ``fresh`` discards an existing run directory, once the data has been checked. The run
+    folder's lock (:mod:`schnet_ipu.runlock`) is the caller's: ``train.py`` takes it before
+    its heavy imports, so a second run is refused at once; spawned replicas run under it."""
     run_dir = Path(cfg.logging.run_dir)
     device = select_device(cfg.backend.device)
-    with hold_run_lock(run_dir, holder=launcher_rank() == 0):  # one writer per run folder
-        launch_replicas(_run_replica, processes_for(cfg.backend, device), cfg, fresh)
-        finals = read_records(run_dir / "metrics.jsonl", "final")
+    launch_replicas(_run_replica, processes_for(cfg.backend, device), cfg, fresh)
+    finals = read_records(run_dir / "metrics.jsonl", "final")
     final = finals[-1] if finals else {}
     if final and cfg.optim.beat_baseline:
         check_beats_baseline(final, run_dir)
@@ -186,106 +186,6 @@ def run(cfg: Config, fresh: bool = False) -> None:
         extra.update(cuda_graph_captures=backend.graph_captures)  # > 1: a re-capture
         write_final(runlog, cfg, data, task, test, extra, time.perf_counter() - wall_start)
     shutdown_replica()
-
-
-def open_run_dir(
-    cfg: Config,
-    run_dir: Path,
-    fresh: bool,
-    resumed: Progress | None,
-    timings: dict[str, float],
-    replica: ReplicaInfo,
-) -> RunLog | None:
-    """Rank 0: make the run directory ready (``fresh`` empties it; a resume drops the records
-    after its checkpoint) and return its log; None on other ranks. Runs after the data and
-    any checkpoint were checked, so a bad input stops the run before any write here."""
-    if not replica.is_main:
-        return None
-    if fresh and run_dir.exists():
-        shutil.rmtree(run_dir)
-    if resumed is None:  # records of a run that crashed before its first checkpoint
-        (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-    else:  # records after the checkpoint will be written again; a torn line goes
-        truncate_after(run_dir / "metrics.jsonl", resumed.epoch, resumed.call)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(cfg.to_yaml())
-    runlog = RunLog(run_dir, cfg)
-    if resumed is None:
-        runlog.write("stage", **{f"{k}_seconds": v for k, v in timings.items()})
-    return runlog
-
-
-def write_epoch(
-    runlog: RunLog,
-    epoch: int,
-    stats: dict[str, float],
-    val: dict[str, float],
-    optimizer: torch.optim.Optimizer,
-    task: Task,
-    unit: str,
-) -> None:
-    """The epoch's record in metrics.jsonl, and one log line."""
-    runlog.write(
-        "epoch",
-        epoch=epoch,
-        call=stats["calls"],
-        train_loss=stats["loss"],
-        **{f"val_{k}": v for k, v in val.items() if k != "molecules"},
-        lr=float(optimizer.param_groups[0]["lr"]),
-        budget_seconds=stats["budget_seconds"],
-        epoch_fraction=stats["epoch_fraction"],
-        molecules_per_s=stats["molecules_per_s"],
-        data_seconds=stats["data_seconds"],
-        step_seconds=stats["step_seconds"],
-        epoch_seconds=stats["seconds"],
-        data_wait_fraction=stats["data_seconds"] / max(stats["seconds"], 1e-9),
-        unit=unit,
-        **{f"train_{k}": v for k, v in task.training_metrics().items()},
-    )
-    log.info(
-        "epoch %d: train loss %.4f, val MAE %.4f %s, %.0f molecules/s",
-        epoch,
-        stats["loss"],
-        val["mae"],
-        unit,
-        stats["molecules_per_s"],
-    )
-
-
-def write_final(
-    runlog: RunLog,
-    cfg: Config,
-    data: PreparedData,
-    task: Task,
-    test: dict[str, float],
-    extra: dict[str, float],
-    wall_seconds: float,
-) -> None:
-    """The final record (test errors beside the trivial baselines), the log line, the plot."""
-    final = {f"test_{k}": v for k, v in test.items() if k != "molecules"}
-    baselines = trivial_baselines(data, "test", task.with_forces, task.with_stress)
-    final["baseline_test_mae"] = baselines.pop("baseline_mae")
-    runlog.write(
-        "final",
-        **final,
-        **baselines,
-        **extra,
-        unit=data.unit,
-        test_molecules=test["molecules"],
-        wall_seconds=wall_seconds,
-    )
-    log.info(
-        "test MAE %.4f %s (RMSE %.4f); dressed-atom baseline MAE %.4f %s",
-        test["mae"],
-        data.unit,
-        test["rmse"],
-        final["baseline_test_mae"],
-        data.unit,
-    )
-    run_dir = runlog.path.parent
-    if cfg.logging.plot:
-        plot_learning_curve(run_dir / "metrics.jsonl", run_dir / "learning_curve.png", data.unit)
-    runlog.close()
 
 
 def train_epoch(

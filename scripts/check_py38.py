@@ -1,16 +1,17 @@
-"""Check that everything the IPU path imports needs no Python newer than 3.8 (the SDK's).
+"""Check that the whole package, and what an IPU user runs beside it, needs no Python newer
+than 3.8 (the Poplar SDK's).
 
     python scripts/check_py38.py          # vermin's verdict; exit 1 if anything needs > 3.8
-    python scripts/check_py38.py --list   # only the modules checked
+    python scripts/check_py38.py --list   # only the files checked
 
-The modules are the first-party import closure of what an IPU user runs on the SDK's
-Python: ``train.py``, the PopTorch backend, the data and packing CLIs, ``scripts/poprun.py``
-and the IPU test files (``IPU_TEST_FILES``). Every ``import`` / ``from`` statement counts,
-including those inside functions, so lazily imported modules are checked too. The test
-helpers those files import (``test_backend``...) are not first-party modules here: that
-they collect on Python 3.8 is checked by really collecting them there
-(``scripts/check_torch201.sh``). ``vermin -t=3.8-`` checks them without evaluating
-annotations: the code uses ``from __future__ import annotations``, so ``list[int]`` or
+The files are every module of the package (``schnet_ipu/``, bench/ included, whether or not
+the IPU path imports it), every script under ``scripts/``, ``train.py``, the IPU test files
+(``IPU_TEST_FILES``) and the first-party modules those import (every ``import`` / ``from``
+statement counts, including those inside functions). The test helpers those files import
+(``test_backend``...) are not first-party modules here: that they collect on Python 3.8 is
+checked by really collecting them there (``scripts/check_torch201.sh``). ``vermin -t=3.8-``
+checks them without evaluating annotations (it flags ``zip(strict=True)``, 3.10, and the
+like): the code uses ``from __future__ import annotations``, so ``list[int]`` or
 ``X | None`` in an annotation is a string that Python 3.8 never evaluates. Outside
 annotations they are evaluated, and vermin misses them in plain assignments
 (``Pair = tuple[int, int]``, ``Slot = int | None``), so a second pass flags subscripted
@@ -34,15 +35,14 @@ IPU_TEST_FILES = (
     "tests/test_poptorch_ops.py",
     "tests/test_ipu_emulator.py",
 )
-ENTRY_POINTS = (
-    "train.py",
-    "schnet_ipu/backends/poptorch_backend.py",
-    "schnet_ipu/data/__main__.py",
-    "schnet_ipu/packing/__main__.py",
-    "scripts/poprun.py",
-    *IPU_TEST_FILES,
-)
 PACKAGE = "schnet_ipu"
+
+
+def entry_points() -> list[Path]:
+    """The package's modules, the scripts, ``train.py`` and the IPU test files."""
+    package = sorted((ROOT / PACKAGE).rglob("*.py"))
+    scripts = sorted((ROOT / "scripts").glob("*.py"))
+    return [*package, *scripts, ROOT / "train.py", *(ROOT / test for test in IPU_TEST_FILES)]
 
 
 def module_file(name: str) -> Path | None:
@@ -79,7 +79,7 @@ def imported_modules(path: Path) -> set[str]:
 
 def import_closure() -> list[Path]:
     """Files of the entry points and every first-party module they reach."""
-    files = {ROOT / entry for entry in ENTRY_POINTS}
+    files = set(entry_points())
     todo = list(files)
     while todo:
         for name in imported_modules(todo.pop()):
@@ -147,7 +147,7 @@ def main() -> int:
         return 0
     vermin = shutil.which("vermin") or str(Path(sys.executable).with_name("vermin"))
     command = [vermin, "-t=3.8-", "--no-tips", "--violations", *files]
-    print(f"vermin over {len(files)} modules the IPU path imports", flush=True)
+    print(f"vermin over {len(files)} files: the package, scripts, train.py, IPU tests", flush=True)
     status = subprocess.run(command, cwd=ROOT).returncode
     found = [line for path in import_closure() for line in runtime_generics(path)]
     print("\n".join(found) or "no runtime generic aliases newer than Python 3.8")

@@ -6,8 +6,9 @@
 # Builds (once) a Python 3.8 venv with torch==2.0.1 from PyPI (its Linux wheel is the CUDA
 # build, which runs on the CPU: about 2.5 GB of wheels, 5 GB installed) and
 # requirements-ipu.txt, then:
-#   1. scripts/check_py38.py: vermin over every module the IPU path, its CLIs and its test
-#      files import (run by PYTHON, which needs vermin);
+#   1. scripts/check_py38.py: vermin over the whole package (bench/ included), the scripts,
+#      train.py and the IPU test files with what they import (run by PYTHON, which needs
+#      vermin);
 #   2. Python 3.8 collects the IPU test files (IPU_TESTS), test helpers included;
 #   3. Python 3.8 runs the emulator's tests and the op check's: among them the emulated
 #      2-replica run with weight decay, clipping, a schedule, a resume, evaluate and predict

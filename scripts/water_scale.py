@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> dict:
     data = prepare_data(cfg)
     prepare = time.perf_counter() - start
     store = data.store
-    waters, clusters = np.unique(store.num_atoms // 3, return_counts=True)
+    waters, clusters = np.unique(store.num_atoms // 3, return_counts=True)  # equal lengths
     report = {
         "config": args.config,
         "store": str(store.path),
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> dict:
         "atoms": int(store.num_atoms.sum()),
         "store_bytes": store.path.stat().st_size,
         "stage_seconds": {**data.timings, "prepare_total": prepare},
-        "histogram": {int(w): int(c) for w, c in zip(waters, clusters, strict=True)},
+        "histogram": {int(w): int(c) for w, c in zip(waters, clusters)},
         "plan": {
             "max_nodes": data.train_plan.max_nodes,
             "max_graphs": data.train_plan.max_graphs,

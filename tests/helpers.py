@@ -1,12 +1,32 @@
-"""Helpers that several test modules share."""
+"""Helpers that several test modules share: a tiny store, a smoke run's overrides, training in
+a subprocess, and reading a run folder's records.
+
+    store = random_store(tmp_path / "store.h5", molecules=96, seed=5)
+    overrides = smoke_overrides(store, tmp_path / "run", "optim.epochs=3")
+    result = run_train(*overrides)  # train.py in a subprocess
+"""
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 
+import numpy as np
+
+from schnet_ipu import training
+from schnet_ipu.data import import_qm9, write_store
+
 ROOT = Path(__file__).resolve().parents[1]
+TRAIN_PY = [sys.executable, str(ROOT / "train.py")]
+
+
+class Killed(BaseException):
+    """A simulated kill: nothing in the program catches it."""
 
 
 def load_script(relative: str) -> ModuleType:
@@ -17,3 +37,117 @@ def load_script(relative: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def random_store(path: Path, molecules: int, seed: int) -> Path:
+    """A store of ``molecules`` random chains of 3-7 atoms (H, C, N, O; steps of ~1.2 A)
+    whose U0 (eV) is -10 eV per atom plus noise: learnable from composition."""
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(3, 8, size=molecules)
+    z = [rng.choice([1, 6, 7, 8], size=n) for n in sizes]
+    pos = [np.cumsum(rng.normal(0, 0.7, size=(n, 3)), axis=0) for n in sizes]
+    energy = -10.0 * sizes + rng.normal(0, 0.1, size=len(sizes))
+    return write_store(path, z, pos, {"U0": energy}, {"U0": "eV"})
+
+
+def qm9_rows(folder: Path, limit: int) -> Path:
+    """A store of the first ``limit`` real QM9 molecules (from the qm9pack package)."""
+    return import_qm9(folder / f"qm9_{limit}.h5", limit=limit, progress=False)
+
+
+def tiny_model(width: int) -> list[str]:
+    """Overrides of a SchNet of one interaction, ``width`` features and filters wide."""
+    return [
+        f"model.hidden_channels={width}",
+        f"model.num_filters={width}",
+        "model.num_interactions=1",
+        f"model.num_gaussians={width // 2}",
+    ]
+
+
+def smoke_overrides(store: Path, run_dir: Path, *extra: str, width: int = 8) -> list[str]:
+    """Overrides of a smoke run on the CPU: 16 validation and 16 test molecules, a SchNet of
+    one interaction ``width`` wide, two packs a batch, a constant learning rate, one training
+    thread (the module restores torch's count: ``restore_threads``), no progress bars, no
+    plot, no baseline check (too short to learn). ``extra`` comes last, so it overrides any
+    of these."""
+    return [
+        f"data.path={store}",
+        "data.val=16",
+        "data.test=16",
+        *tiny_model(width),
+        "packing.packs_per_batch=2",
+        "optim.schedule=constant",
+        "optim.beat_baseline=false",  # a smoke run, too short to learn
+        "loader.workers=0",
+        "backend.device=cpu",  # the CPU program also on a GPU machine (auto would pick CUDA)
+        "backend.threads=1",
+        "logging.progress=false",
+        "logging.plot=false",
+        f"logging.run_dir={run_dir}",
+        *extra,
+    ]
+
+
+def qm9_smoke_overrides(store: Path, run_dir: Path, *extra: str) -> list[str]:
+    """A smoke run (:func:`smoke_overrides`) on real QM9 rows: 60 validation and 60 test
+    molecules, four packs a batch, 16 wide, every host call's loss read and recorded."""
+    return smoke_overrides(
+        store,
+        run_dir,
+        "data.val=60",
+        "data.test=60",
+        "packing.packs_per_batch=4",
+        "logging.log_every=1",
+        *extra,
+        width=16,
+    )
+
+
+def repo_env(**extra: str) -> dict[str, str]:
+    """This environment with the repository importable (for a subprocess), plus ``extra``."""
+    return {**os.environ, "PYTHONPATH": str(ROOT), **extra}
+
+
+def run_train(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``train.py ARGS`` in a subprocess from the repository root; its output captured."""
+    return subprocess.run(
+        [*TRAIN_PY, *args], cwd=ROOT, env=repo_env(), capture_output=True, text=True,
+        timeout=timeout,
+    )  # fmt: skip
+
+
+def whole_records(run_dir: Path) -> list[dict]:
+    """Every line of ``run_dir/metrics.jsonl``, each a whole JSON record (no torn line)."""
+    text = (run_dir / "metrics.jsonl").read_text()
+    assert text.endswith("\n"), "a torn last line"
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def run_outcome(run_dir: Path) -> dict[str, list]:
+    """What a finished run's log must hold exactly once, without the timings."""
+    rows = whole_records(run_dir)
+    return {
+        "kinds": sorted(r["kind"] for r in rows),
+        "steps": [(r["epoch"], r["call"], r["loss"]) for r in rows if r["kind"] == "step"],
+        "epochs": [
+            (r["epoch"], r["train_loss"], r["val_mae"], r["lr"])
+            for r in rows
+            if r["kind"] == "epoch"
+        ],
+        "final": [(r["test_mae"], r["best_val_mae"]) for r in rows if r["kind"] == "final"],
+    }
+
+
+def kill_after_first_checkpoint(monkeypatch) -> None:
+    """The next run dies (:class:`Killed`) right after writing its first last.pt; the patch
+    undoes itself then, so the run after it goes on."""
+    save = training.save_checkpoint
+
+    def killed_after_first(path, state):
+        save(path, state)
+        if path.name == "last.pt":
+            monkeypatch.setattr(training, "save_checkpoint", save)
+            raise Killed
+
+    monkeypatch.setattr(training, "save_checkpoint", killed_after_first)

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import qm9_rows, smoke_overrides
 from test_backend import TinyModel, make_batch, masked_mse
 from test_ipu_emulator import DECAY, popart_reference_step
 
 from schnet_ipu.backends import RecompilationError
 from schnet_ipu.config import BackendConfig, load_config
-from schnet_ipu.data import import_qm9
 from schnet_ipu.model import SchNet
 from schnet_ipu.task import masked_mse as schnet_mse
 from schnet_ipu.training import train
@@ -149,9 +149,7 @@ def test_schnet_adam_schedule_validation_best_weights_and_predict() -> None:
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("qm9") / "qm9_400.h5"
-    import_qm9(path, limit=400)
-    return path
+    return qm9_rows(tmp_path_factory.mktemp("qm9"), limit=400)
 
 
 def test_train_end_to_end_on_the_ipu_model(store: Path, tmp_path: Path) -> None:
@@ -163,30 +161,23 @@ def test_train_end_to_end_on_the_ipu_model(store: Path, tmp_path: Path) -> None:
 
     device = "ipu" if poptorch.ipuHardwareIsAvailable() else "ipu-model"
     run_dir = tmp_path / "run"
-    cfg = load_config(
-        None,
-        [
-            f"data.path={store}",
-            "data.val=60",
-            "data.test=60",
-            "model.hidden_channels=16",
-            "model.num_filters=16",
-            "model.num_interactions=1",
-            "model.num_gaussians=8",
-            "model.k=8",
-            "packing.packs_per_batch=2",
-            "optim.epochs=1",
-            "optim.schedule=cosine",
-            "optim.beat_baseline=false",  # a smoke run, too short to learn
-            "optim.weight_decay=0.01",
-            "optim.grad_clip=1.0",
-            f"backend.device={device}",
-            "backend.replicas=2",
-            "loader.workers=0",
-            "logging.progress=false",
-            f"logging.run_dir={run_dir}",
-        ],
+    overrides = smoke_overrides(
+        store,
+        run_dir,
+        "data.val=60",
+        "data.test=60",
+        "model.k=8",
+        "optim.epochs=1",
+        "optim.schedule=cosine",
+        "optim.weight_decay=0.01",
+        "optim.grad_clip=1.0",
+        f"backend.device={device}",
+        "backend.replicas=2",
+        "backend.threads=0",
+        "logging.plot=true",
+        width=16,
     )
+    cfg = load_config(None, overrides)
     train(cfg)
     cfg.optim.epochs = 2
     final = train(cfg)  # resumes from last.pt

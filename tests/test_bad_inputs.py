@@ -15,7 +15,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from helpers import load_script
+from helpers import load_script, smoke_overrides
 
 from schnet_ipu.data import MoleculeStore, edge_counts, load_or_make_split, write_store
 from schnet_ipu.data.__main__ import main as data_cli
@@ -53,26 +53,15 @@ def make_store(path: Path, seed: int = 0) -> Path:
 
 
 def config(store: Path, run_dir: Path, *extra: str) -> list[str]:
-    return [
-        f"data.path={store}",
+    return smoke_overrides(
+        store,
+        run_dir,
         f"data.val={VAL}",
         f"data.test={TEST}",
-        "model.hidden_channels=8",
-        "model.num_filters=8",
-        "model.num_interactions=1",
-        "model.num_gaussians=4",
-        "packing.packs_per_batch=2",
         "optim.epochs=2",
-        "optim.schedule=constant",
-        "optim.beat_baseline=false",  # a smoke run, too short to learn
-        "loader.workers=0",
-        "backend.threads=1",
-        "logging.progress=false",
-        "logging.plot=false",
         "logging.log_every=2",
-        f"logging.run_dir={run_dir}",
         *extra,
-    ]
+    )
 
 
 def snapshot(root: Path) -> dict[str, str]:

@@ -7,11 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import Killed, kill_after_first_checkpoint, qm9_rows, smoke_overrides
 
-from schnet_ipu import training
 from schnet_ipu.budget import Budget, WeightAverage
 from schnet_ipu.config import ConfigError, load_config
-from schnet_ipu.data import import_qm9
 from schnet_ipu.evaluation import evaluate_run
 from schnet_ipu.runlog import read_records
 from schnet_ipu.training import train
@@ -21,51 +20,22 @@ pytestmark = pytest.mark.usefixtures("restore_threads")
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("qm9") / "qm9_300.h5"
-    import_qm9(path, limit=300, progress=False)
-    return path
+    return qm9_rows(tmp_path_factory.mktemp("qm9"), limit=300)
 
 
 def tiny(store: Path, run_dir: Path, *extra: str):
     return load_config(
         None,
-        [
-            f"data.path={store}",
+        smoke_overrides(
+            store,
+            run_dir,
             "data.val=40",
             "data.test=40",
-            "model.hidden_channels=16",
-            "model.num_filters=16",
-            "model.num_interactions=1",
-            "model.num_gaussians=8",
-            "packing.packs_per_batch=2",
             "optim.schedule=cosine",
-            "optim.beat_baseline=false",  # a smoke run, too short to learn
-            "loader.workers=0",
-            "backend.threads=1",
-            "backend.device=cpu",
-            "logging.progress=false",
-            "logging.plot=false",
-            f"logging.run_dir={run_dir}",
             *extra,
-        ],
+            width=16,
+        ),
     )
-
-
-class Killed(BaseException):
-    """A simulated kill: nothing in the program catches it."""
-
-
-def kill_after_first_checkpoint(monkeypatch) -> None:
-    """The next run dies right after writing its first last.pt (undone by ``restore``)."""
-    save = training.save_checkpoint
-
-    def killed_after_first(path, state):
-        save(path, state)
-        if path.name == "last.pt":
-            monkeypatch.setattr(training, "save_checkpoint", save)
-            raise Killed
-
-    monkeypatch.setattr(training, "save_checkpoint", killed_after_first)
 
 
 def test_budget_stops_the_run_and_a_resume_keeps_the_total(store, tmp_path, monkeypatch):

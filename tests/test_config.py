@@ -17,10 +17,10 @@ def write(tmp_path: Path, text: str) -> Path:
 
 def test_yaml_and_overrides_are_typed(tmp_path):
     path = write(tmp_path, "optim:\n  lr: 1e-3\n  epochs: 3\nmodel:\n  graph: radius\n")
-    cfg = load_config(path, ["optim.lr=5e-4", "data.subset=20000", "loader.cache=false"])
+    cfg = load_config(path, ["optim.lr=5e-4", "data.subset=20000", "logging.plot=false"])
     assert cfg.optim.lr == 5e-4 and isinstance(cfg.optim.lr, float)
     assert cfg.data.subset == 20000 and isinstance(cfg.data.subset, int)
-    assert cfg.loader.cache is False
+    assert cfg.logging.plot is False
     assert cfg.model.graph == "radius" and cfg.optim.epochs == 3
 
 
@@ -44,8 +44,8 @@ def test_wrong_type_names_key_expected_type_and_value(tmp_path):
         load_config(None, ["optim.lr=fast"])
     with pytest.raises(ConfigError, match=r"data\.subset expects int, got 2\.5 \(float\)"):
         load_config(write(tmp_path, "data:\n  subset: 2.5\n"))
-    with pytest.raises(ConfigError, match=r"loader\.cache expects bool, got 3 \(int\)"):
-        load_config(None, ["loader.cache=3"])
+    with pytest.raises(ConfigError, match=r"logging\.plot expects bool, got 3 \(int\)"):
+        load_config(None, ["logging.plot=3"])
     with pytest.raises(ConfigError, match=r"data\.water_sizes expects a list of int"):
         load_config(None, ["data.water_sizes=7"])
 
@@ -93,6 +93,27 @@ def test_override_syntax_and_sections():
 def test_round_trip_through_dict():
     cfg = load_config(None, ["optim.lr=2e-4", "model.graph=radius"])
     assert config_from_dict(cfg.to_dict()) == cfg
+
+
+def test_removed_keys_name_their_replacement(tmp_path):
+    with pytest.raises(ConfigError, match=r"logging\.wandb was removed: set logging\.wandb_mode"):
+        load_config(None, ["logging.wandb=true"])
+    with pytest.raises(ConfigError, match=r"loader\.cache was removed"):
+        load_config(write(tmp_path, "loader:\n  cache: false\n"))
+
+
+@pytest.mark.parametrize(
+    ("wandb", "mode", "now"), [(False, "online", "disabled"), (True, "online", "online")]
+)
+def test_a_stored_config_with_removed_keys_still_loads(wandb, mode, now):
+    """Checkpoints and run folders written before the removal: logging.wandb=false meant no
+    wandb whatever wandb_mode said; loader.cache had no effect."""
+    stored = Config().to_dict()
+    stored["logging"].update(wandb=wandb, wandb_mode=mode)
+    stored["loader"]["cache"] = False
+    cfg = config_from_dict(stored)
+    assert cfg.logging.wandb_mode == now
+    assert cfg.loader == Config().loader
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])

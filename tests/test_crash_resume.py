@@ -8,18 +8,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import Killed, random_store, run_outcome, smoke_overrides
 
 from schnet_ipu import training
 from schnet_ipu.config import load_config
-from schnet_ipu.data import write_store
 from schnet_ipu.runlog import RunLog
 from schnet_ipu.training import train
 
 EPOCHS = 2
-
-
-class Crash(BaseException):
-    """A simulated kill: nothing in the program catches it."""
 
 
 # The runs here set backend.threads=1 (a tiny model steps ~4x faster on one thread of a busy
@@ -29,44 +25,25 @@ pytestmark = pytest.mark.usefixtures("restore_threads")
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory) -> Path:
-    rng = np.random.default_rng(3)
-    sizes = rng.integers(3, 8, size=80)
-    z = [rng.choice([1, 6, 7, 8], size=n) for n in sizes]
-    pos = [np.cumsum(rng.normal(0, 0.7, size=(n, 3)), axis=0) for n in sizes]
-    energy = -10.0 * sizes + rng.normal(0, 0.1, size=len(sizes))
-    path = tmp_path_factory.mktemp("crash") / "store.h5"
-    return write_store(path, z, pos, {"U0": energy}, {"U0": "eV"})
+    return random_store(tmp_path_factory.mktemp("crash") / "store.h5", molecules=80, seed=3)
 
 
 def config(store: Path, run_dir: Path):
     return load_config(
         None,
-        [
-            f"data.path={store}",
-            "data.val=16",
-            "data.test=16",
-            "model.hidden_channels=8",
-            "model.num_filters=8",
-            "model.num_interactions=1",
-            "model.num_gaussians=4",
-            "packing.packs_per_batch=2",
+        smoke_overrides(
+            store,
+            run_dir,
             "packing.max_nodes=24",
             "packing.target_efficiency=0.8",
             f"optim.epochs={EPOCHS}",
-            "optim.schedule=constant",
-            "optim.beat_baseline=false",  # a smoke run, too short to learn
-            "loader.workers=0",
-            "backend.threads=1",
-            "logging.progress=false",
-            "logging.plot=false",
             "logging.log_every=3",
-            f"logging.run_dir={run_dir}",
-        ],
+        ),
     )
 
 
 def crash_after(monkeypatch, crash_at: int | None, torn: bool = False) -> list[str]:
-    """Count the run directory's writes (records, checkpoints) and raise :class:`Crash`
+    """Count the run directory's writes (records, checkpoints) and raise :class:`Killed`
     right after write number ``crash_at``, or halfway through it when ``torn``."""
     writes: list[str] = []
     save_checkpoint, write_record = training.save_checkpoint, RunLog.write
@@ -74,7 +51,7 @@ def crash_after(monkeypatch, crash_at: int | None, torn: bool = False) -> list[s
     def wrote(what: str) -> None:
         writes.append(what)
         if len(writes) == crash_at:
-            raise Crash(what)
+            raise Killed(what)
 
     def save(path: Path, state: dict) -> None:
         save_checkpoint(path, state)
@@ -85,33 +62,13 @@ def crash_after(monkeypatch, crash_at: int | None, torn: bool = False) -> list[s
             line = json.dumps({"kind": kind, "epoch": fields.get("epoch")})
             with self.path.open("a") as f:
                 f.write(line[: len(line) // 2])
-            raise Crash(f"torn {kind}")
+            raise Killed(f"torn {kind}")
         write_record(self, kind, **fields)
         wrote(kind)
 
     monkeypatch.setattr(training, "save_checkpoint", save)
     monkeypatch.setattr(RunLog, "write", write)
     return writes
-
-
-def records(run_dir: Path) -> list[dict]:
-    """Every line of metrics.jsonl, each a complete JSON record."""
-    text = (run_dir / "metrics.jsonl").read_text()
-    assert text.endswith("\n")
-    return [json.loads(line) for line in text.splitlines()]
-
-
-def outcome(run_dir: Path) -> dict[str, list]:
-    """What a finished run's log must hold exactly once, without the timings."""
-    rows = records(run_dir)
-    return {
-        "kinds": sorted(r["kind"] for r in rows),
-        "steps": [(r["epoch"], r["call"], r["loss"]) for r in rows if r["kind"] == "step"],
-        "epochs": [
-            (r["epoch"], r["train_loss"], r["val_mae"]) for r in rows if r["kind"] == "epoch"
-        ],
-        "final": [r["test_mae"] for r in rows if r["kind"] == "final"],
-    }
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +78,7 @@ def reference(store, tmp_path_factory) -> tuple[list[str], dict[str, list]]:
     with pytest.MonkeyPatch.context() as monkeypatch:
         writes = crash_after(monkeypatch, None)
         train(config(store, run_dir))
-    return writes, outcome(run_dir)
+    return writes, run_outcome(run_dir)
 
 
 def test_the_run_writes_every_kind(reference):
@@ -147,10 +104,10 @@ def assert_same_log(got: dict[str, list], expected: dict[str, list], case: str) 
 def resume_after_crash(store, run_dir: Path, crash_at: int, torn: bool) -> dict[str, list]:
     with pytest.MonkeyPatch.context() as monkeypatch:
         crash_after(monkeypatch, crash_at, torn)
-        with pytest.raises(Crash):
+        with pytest.raises(Killed):
             train(config(store, run_dir))
     train(config(store, run_dir))  # re-running resumes
-    return outcome(run_dir)
+    return run_outcome(run_dir)
 
 
 def test_crash_after_every_write(store, reference, tmp_path):

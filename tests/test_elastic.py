@@ -15,7 +15,6 @@ lock over (a SIGKILLed or SIGTERMed rank 0 leaves it behind).
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -25,11 +24,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import ROOT, random_store, repo_env, run_outcome, smoke_overrides
 
 from schnet_ipu.backends.distributed import free_port
-from schnet_ipu.data import write_store
 
-ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 EPOCHS = 4
 # torchrun's agents share their rendezvous TCPStore with the workers by default, and the
@@ -47,13 +45,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory) -> Path:
-    rng = np.random.default_rng(5)
-    sizes = rng.integers(3, 8, size=400)
-    z = [rng.choice([1, 6, 7, 8], size=n) for n in sizes]
-    pos = [np.cumsum(rng.normal(0, 0.7, size=(n, 3)), axis=0) for n in sizes]
-    energy = -10.0 * sizes + rng.normal(0, 0.1, size=len(sizes))
-    path = tmp_path_factory.mktemp("elastic") / "store.h5"
-    return write_store(path, z, pos, {"U0": energy}, {"U0": "eV"})
+    return random_store(tmp_path_factory.mktemp("elastic") / "store.h5", molecules=400, seed=5)
 
 
 def start_job(store: Path, run_dir: Path) -> list[subprocess.Popen]:
@@ -62,25 +54,15 @@ def start_job(store: Path, run_dir: Path) -> list[subprocess.Popen]:
     port = free_port()
     train = [
         str(ROOT / "train.py"),
-        f"data.path={store}",
-        "data.val=32",
-        "data.test=32",
-        "model.hidden_channels=8",
-        "model.num_filters=8",
-        "model.num_interactions=1",
-        "model.num_gaussians=4",
-        "packing.packs_per_batch=2",
-        f"optim.epochs={EPOCHS}",
-        "optim.schedule=constant",
-        "optim.beat_baseline=false",  # a smoke run, too short to learn
-        "loader.workers=0",
-        "backend.threads=1",
-        "backend.device=cpu",
-        "backend.replicas=2",
-        "logging.progress=false",
-        "logging.plot=false",
-        "logging.log_every=1",
-        f"logging.run_dir={run_dir}",
+        *smoke_overrides(
+            store,
+            run_dir,
+            "data.val=32",
+            "data.test=32",
+            f"optim.epochs={EPOCHS}",
+            "backend.replicas=2",
+            "logging.log_every=1",
+        ),
     ]
     agents = []
     for node, is_host in enumerate(("true", "false")):
@@ -100,7 +82,7 @@ def start_job(store: Path, run_dir: Path) -> list[subprocess.Popen]:
         agents.append(
             subprocess.Popen(
                 command,
-                env={**os.environ, "PYTHONPATH": str(ROOT), **ELASTIC_ENV},
+                env=repo_env(**ELASTIC_ENV),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
@@ -119,33 +101,11 @@ def finish(agents: list[subprocess.Popen], run_dir: Path) -> None:
     assert [a.returncode for a in agents] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
 
 
-def records(run_dir: Path) -> list[dict]:
-    """Every line of metrics.jsonl, each a whole JSON record."""
-    text = (run_dir / "metrics.jsonl").read_text()
-    assert text.endswith("\n")
-    return [json.loads(line) for line in text.splitlines()]
-
-
-def outcome(run_dir: Path) -> dict[str, list]:
-    """What the run's log holds, without the timings."""
-    rows = records(run_dir)
-    return {
-        "kinds": sorted(r["kind"] for r in rows),
-        "steps": [(r["epoch"], r["call"], r["loss"]) for r in rows if r["kind"] == "step"],
-        "epochs": [
-            (r["epoch"], r["train_loss"], r["val_mae"], r["lr"])
-            for r in rows
-            if r["kind"] == "epoch"
-        ],
-        "final": [(r["test_mae"], r["best_val_mae"]) for r in rows if r["kind"] == "final"],
-    }
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(store, tmp_path_factory) -> dict[str, list]:
     run_dir = tmp_path_factory.mktemp("reference") / "run"
     finish(start_job(store, run_dir), run_dir)
-    return outcome(run_dir)
+    return run_outcome(run_dir)
 
 
 def worker_of_rank(agents: list[subprocess.Popen], rank: int) -> int:
@@ -195,7 +155,7 @@ def test_killed_run_resumes_to_the_uninterrupted_log(store, uninterrupted, tmp_p
     else:
         os.kill(worker_of_rank(agents, int(killed[-1])), signal.SIGKILL)
     finish(agents, run_dir)
-    got = outcome(run_dir)
+    got = run_outcome(run_dir)
     assert got["kinds"] == uninterrupted["kinds"], killed  # every record exactly once
     assert [e[0] for e in got["epochs"]] == list(range(EPOCHS))
     for key in ("steps", "epochs", "final"):

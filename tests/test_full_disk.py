@@ -14,19 +14,15 @@ namespace made by ``unshare -m``; otherwise the folder's permissions).
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
+from helpers import ROOT, random_store, repo_env, run_train, smoke_overrides, whole_records
 
-from schnet_ipu.data import write_store
-
-ROOT = Path(__file__).resolve().parents[1]
 EPOCHS = 3
 
 DRIVER = """
@@ -59,49 +55,16 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory) -> Path:
-    rng = np.random.default_rng(7)
-    sizes = rng.integers(3, 8, size=96)
-    z = [rng.choice([1, 6, 7, 8], size=n) for n in sizes]
-    pos = [np.cumsum(rng.normal(0, 0.7, size=(n, 3)), axis=0) for n in sizes]
-    energy = -10.0 * sizes + rng.normal(0, 0.1, size=len(sizes))
-    path = tmp_path_factory.mktemp("disk") / "store.h5"
-    return write_store(path, z, pos, {"U0": energy}, {"U0": "eV"})
+    return random_store(tmp_path_factory.mktemp("disk") / "store.h5", molecules=96, seed=7)
 
 
 def train_args(store: Path, run_dir: Path) -> list[str]:
-    return [
-        f"data.path={store}",
-        "data.val=16",
-        "data.test=16",
-        "model.hidden_channels=8",
-        "model.num_filters=8",
-        "model.num_interactions=1",
-        "model.num_gaussians=4",
-        "packing.packs_per_batch=2",
+    return smoke_overrides(
+        store,
+        run_dir,
         f"optim.epochs={EPOCHS}",
-        "optim.schedule=constant",
-        "optim.beat_baseline=false",  # a smoke run, too short to learn
-        "loader.workers=0",
-        "backend.threads=1",
-        "backend.device=cpu",
-        "logging.progress=false",
-        "logging.plot=false",
         "logging.log_every=2",
-        f"logging.run_dir={run_dir}",
-    ]
-
-
-def run(args: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        args, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-
-
-def whole_records(path: Path) -> list[dict]:
-    text = path.read_text()
-    assert text.endswith("\n"), "a torn last line"
-    return [json.loads(line) for line in text.splitlines()]
+    )
 
 
 def read_only_launcher(run_dir: Path) -> list[str]:
@@ -137,7 +100,10 @@ def test_full_disk_mid_run_keeps_what_was_written(store, tmp_path, full_during, 
         launcher = read_only_launcher(run_dir)
         room = "read-only" if launcher else "no-permission"
     driver = [sys.executable, "-c", DRIVER, str(run_dir), room, *train_args(store, run_dir)]
-    stopped = run([*launcher, *driver])
+    stopped = subprocess.run(
+        [*launcher, *driver], cwd=ROOT, env=repo_env(), capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
     if room == "no-permission":
         for path in (run_dir, run_dir / "checkpoints", run_dir / "metrics.jsonl"):
             path.chmod(0o755)
@@ -154,14 +120,14 @@ def test_full_disk_mid_run_keeps_what_was_written(store, tmp_path, full_during, 
     # on disk: the first checkpoint, whole, and whole records only
     last = torch.load(run_dir / "checkpoints/last.pt", weights_only=True)
     assert last["epoch"] == 1
-    records = whole_records(run_dir / "metrics.jsonl")
+    records = whole_records(run_dir)
     epochs = [r["epoch"] for r in records if r["kind"] == "epoch"]
     assert epochs == {"checkpoint": [0, 1], "metrics": [0]}.get(full_during, epochs[:1]), epochs
     assert not list(run_dir.rglob(".*tmp*"))  # no temp file left behind
     # space again: the run resumes from that checkpoint and ends with every epoch once
-    resumed = run([sys.executable, "train.py", *train_args(store, run_dir)])
+    resumed = run_train(*train_args(store, run_dir))
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming" in resumed.stderr
-    records = whole_records(run_dir / "metrics.jsonl")
+    records = whole_records(run_dir)
     assert [r["epoch"] for r in records if r["kind"] == "epoch"] == list(range(EPOCHS))
     assert [r["kind"] for r in records].count("final") == 1

@@ -11,11 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import load_script
-from test_budget import Killed, kill_after_first_checkpoint
+from helpers import Killed, kill_after_first_checkpoint, load_script, qm9_rows, qm9_smoke_overrides
 
 from schnet_ipu.config import load_config
-from schnet_ipu.data import import_qm9
 from schnet_ipu.runlog import read_records
 from schnet_ipu.training import TrainingError, train
 
@@ -34,30 +32,17 @@ LINE = re.compile(
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("qm9") / "qm9_400.h5"
-    import_qm9(path, limit=400, progress=False)
-    return path
+    return qm9_rows(tmp_path_factory.mktemp("qm9"), limit=400)
 
 
 def tiny(store: Path, run_dir: Path, *extra: str) -> list[str]:
-    return [
-        f"data.path={store}",
-        "data.val=60",
-        "data.test=60",
-        "model.hidden_channels=16",
-        "model.num_filters=16",
-        "model.num_interactions=1",
-        "model.num_gaussians=8",
-        "packing.packs_per_batch=4",
-        "loader.workers=0",
-        "backend.device=cpu",
-        "backend.threads=1",
-        "logging.progress=false",
-        "logging.plot=false",
-        "logging.log_every=1",
-        f"logging.run_dir={run_dir}",
+    return qm9_smoke_overrides(
+        store,
+        run_dir,
+        "optim.schedule=plateau",
+        "optim.beat_baseline=true",  # these runs learn: train() raises if they do not
         *extra,
-    ]
+    )
 
 
 def guard_lines(messages: list[str]) -> list[re.Match]:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import qm9_rows, smoke_overrides, tiny_model
 from test_backend import TinyModel, make_batch, masked_mse
 from torch import nn
 
@@ -33,7 +34,6 @@ from schnet_ipu.backends.ipu_emulator import IpuEmulatorBackend, WrappedBuffer
 from schnet_ipu.backends.poptorch_ops import UnsupportedOpError
 from schnet_ipu.checkpoint import load_checkpoint, save_checkpoint
 from schnet_ipu.config import BackendConfig, ConfigError, load_config
-from schnet_ipu.data import import_qm9
 from schnet_ipu.evaluation import evaluate_run, predict_run
 from schnet_ipu.pipeline import make_loader, prepare_data
 from schnet_ipu.runlog import read_records
@@ -265,9 +265,7 @@ def test_a_copy_to_the_host_inside_the_step_is_refused():
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("qm9") / "qm9_300.h5"
-    import_qm9(path, limit=300)
-    return path
+    return qm9_rows(tmp_path_factory.mktemp("qm9"), limit=300)
 
 
 @pytest.mark.parametrize("instances", [1, 64], ids=["one-process", "64-instances"])
@@ -304,29 +302,24 @@ def emulated_run(store: Path, run_dir: Path, *overrides: str):
     """The issue's target run: emulated IPU, 2 replicas, weight decay, clipping, cosine."""
     return load_config(
         None,
-        [
-            f"data.path={store}",
+        smoke_overrides(
+            store,
+            run_dir,
             "data.val=20",
             "data.test=20",
-            "model.hidden_channels=16",
-            "model.num_filters=16",
-            "model.num_interactions=1",
-            "model.num_gaussians=8",
             "model.graph=knn",
             "packing.algorithm=lpfhp",
             "model.k=4",
-            "packing.packs_per_batch=2",
             "backend.device=ipu-model",
             "backend.replicas=2",
+            "backend.threads=0",
             "optim.weight_decay=0.01",
             "optim.grad_clip=1.0",
             "optim.schedule=cosine",
-            "optim.beat_baseline=false",  # a smoke run, too short to learn
-            "loader.workers=0",
-            "logging.progress=false",
-            f"logging.run_dir={run_dir}",
+            "logging.plot=true",
             *overrides,
-        ],
+            width=16,
+        ),
     )
 
 
@@ -366,10 +359,7 @@ def test_emulated_run_on_forces_data_is_evaluated_predicted_and_used_by_the_calc
         "data.test=8",
         "packing.packs_per_batch=2",
         "packing.max_nodes=20",
-        "model.hidden_channels=16",
-        "model.num_filters=16",
-        "model.num_interactions=1",
-        "model.num_gaussians=8",
+        *tiny_model(16),
         "optim.forces_weight=0",
         "optim.beat_baseline=false",  # a smoke run, too short to learn
         "optim.warmup_steps=0",

@@ -14,7 +14,7 @@ import pytest
 import torch
 from ase.build import bulk
 from ase.calculators.fd import calculate_numerical_stress
-from helpers import load_script
+from helpers import load_script, tiny_model
 
 from schnet_ipu.calculator import SchNetCalculator
 from schnet_ipu.config import ConfigError, load_config
@@ -45,10 +45,7 @@ def bulk_config(frames: Path, root: Path, *extra: str):
             "data.val=8",
             "data.test=8",
             "packing.packs_per_batch=2",
-            "model.hidden_channels=16",
-            "model.num_filters=16",
-            "model.num_interactions=1",
-            "model.num_gaussians=8",
+            *tiny_model(16),
             "optim.epochs=2",
             "optim.warmup_steps=0",
             "optim.beat_baseline=false",  # a smoke run, too short to learn

@@ -12,60 +12,35 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
-from helpers import load_script
+from helpers import TRAIN_PY, load_script, random_store, repo_env, run_train, smoke_overrides
 
-from schnet_ipu.data import write_store
 from schnet_ipu.errors import run_cli
 from schnet_ipu.runlock import RunLockError, hold_run_lock, lock_path, read_holder
 from schnet_ipu.runlog import read_records
 
-ROOT = Path(__file__).resolve().parents[1]
 EPOCHS = 3
 
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory) -> Path:
-    rng = np.random.default_rng(5)
-    sizes = rng.integers(3, 8, size=96)
-    z = [rng.choice([1, 6, 7, 8], size=n) for n in sizes]
-    pos = [np.cumsum(rng.normal(0, 0.7, size=(n, 3)), axis=0) for n in sizes]
-    energy = -10.0 * sizes + rng.normal(0, 0.1, size=len(sizes))
-    return write_store(
-        tmp_path_factory.mktemp("lock") / "store.h5", z, pos, {"U0": energy}, {"U0": "eV"}
-    )
+    return random_store(tmp_path_factory.mktemp("lock") / "store.h5", molecules=96, seed=5)
 
 
-def train_argv(store: Path, run_dir: Path, epochs: int = EPOCHS) -> list[str]:
-    return [
-        sys.executable,
-        str(ROOT / "train.py"),
-        f"data.path={store}",
-        "data.val=16",
-        "data.test=16",
-        "model.hidden_channels=8",
-        "model.num_filters=8",
-        "model.num_interactions=1",
-        "model.num_gaussians=4",
-        "packing.packs_per_batch=2",
+def train_args(store: Path, run_dir: Path, epochs: int = EPOCHS) -> list[str]:
+    return smoke_overrides(
+        store,
+        run_dir,
         f"optim.epochs={epochs}",
-        "optim.schedule=constant",
-        "optim.beat_baseline=false",  # a smoke run, too short to learn
-        "loader.workers=0",
-        "backend.threads=1",
-        "backend.device=cpu",
-        "logging.progress=false",
-        "logging.plot=false",
-        f"logging.run_dir={run_dir}",
-    ]
-
-
-def start(argv: list[str]) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen(
-        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
+
+
+def start(args: list[str]) -> subprocess.Popen:
+    """``train.py ARGS`` in the background."""
+    return subprocess.Popen(
+        [*TRAIN_PY, *args], env=repo_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
 
 
 def wait_for(condition, proc: subprocess.Popen, what: str, timeout_s: float = 300) -> None:
@@ -87,14 +62,11 @@ def epochs_once(run_dir: Path) -> list[int]:
 
 def test_a_second_run_on_a_held_folder_is_refused(store, tmp_path):
     run_dir = tmp_path / "run"
-    first = start(train_argv(store, run_dir))
+    first = start(train_args(store, run_dir))
     lock = lock_path(run_dir)
     wait_for(lambda: read_holder(lock) is not None, first, "the first run's lock")
     began = time.perf_counter()
-    second = subprocess.run(
-        train_argv(store, run_dir), env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    second = run_train(*train_args(store, run_dir), timeout=120)
     refused_after = time.perf_counter() - began
     still_running = first.poll() is None
     out, err = first.communicate(timeout=600)
@@ -117,15 +89,12 @@ def test_the_lock_of_a_sigkilled_run_is_taken_over(store, tmp_path):
     """SIGKILL after the first checkpoint: the lock file stays with the dead pid, the next
     start warns, takes it over, resumes, and ends with every epoch once."""
     run_dir = tmp_path / "run"
-    killed = start(train_argv(store, run_dir))
+    killed = start(train_args(store, run_dir))
     wait_for((run_dir / "checkpoints/last.pt").exists, killed, "a first checkpoint")
     killed.send_signal(signal.SIGKILL)
     killed.wait()
     assert read_holder(lock_path(run_dir))["pid"] == killed.pid
-    again = subprocess.run(
-        train_argv(store, run_dir), env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    again = run_train(*train_args(store, run_dir))
     assert again.returncode == 0, again.stderr
     assert f"taking over the lock of pid {killed.pid}" in again.stderr
     assert "resuming" in again.stderr
@@ -146,7 +115,7 @@ with hold_run_lock(Path(sys.argv[1])):
 def hold_elsewhere(run_dir: Path) -> subprocess.Popen:
     """Another process holding the lock of ``run_dir`` until it is killed."""
     proc = subprocess.Popen(
-        [sys.executable, "-c", HOLD, str(run_dir)], env={**os.environ, "PYTHONPATH": str(ROOT)},
+        [sys.executable, "-c", HOLD, str(run_dir)], env=repo_env(),
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     assert proc.stdout.readline().strip() == "held"
@@ -185,16 +154,19 @@ def test_stale_lock_taken_over_with_a_warning(tmp_path, caplog):
     assert not lock_path(run_dir).exists()
 
 
-def test_nested_holds_share_one_lock_and_other_ranks_hold_none(tmp_path):
+def test_a_nested_hold_is_refused_and_other_ranks_hold_none(tmp_path):
+    """The lock is taken in one place: a second hold in the same process is an error, whose
+    failed attempt leaves the first hold's lock in force."""
     run_dir = tmp_path / "a/b/run"
     with hold_run_lock(run_dir, holder=False):
         assert not lock_path(run_dir).exists()
     with hold_run_lock(run_dir):
-        with hold_run_lock(run_dir):  # train.py around training.train
-            pass
-        # the inner exit must not have dropped the lock: another process is refused
+        refused = pytest.raises(RuntimeError, match="holds its run lock already")
+        with refused, hold_run_lock(tmp_path / "a/b/../b/run"):  # another spelling, one lock
+            pytest.fail("entered a lock this process holds")
+        # the refused attempt must not have dropped the lock: another process is refused
         probe = subprocess.run(
-            [sys.executable, "-c", HOLD, str(run_dir)], env={**os.environ, "PYTHONPATH": str(ROOT)},
+            [sys.executable, "-c", HOLD, str(run_dir)], env=repo_env(),
             capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         assert probe.returncode != 0 and f"pid {os.getpid()}" in probe.stderr

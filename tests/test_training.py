@@ -6,51 +6,35 @@ import csv
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import ROOT, TRAIN_PY, qm9_rows, qm9_smoke_overrides
 
 from schnet_ipu.config import ConfigError, load_config
-from schnet_ipu.data import import_qm9
 from schnet_ipu.evaluation import evaluate_run, predict_run
 from schnet_ipu.runlog import read_records
 from schnet_ipu.training import TrainingError, train
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("qm9") / "qm9_400.h5"
-    import_qm9(path, limit=400)
-    return path
+    return qm9_rows(tmp_path_factory.mktemp("qm9"), limit=400)
 
 
 def tiny(store: Path, run_dir: Path, *extra: str) -> list[str]:
-    return [
-        f"data.path={store}",
-        "data.subset=0",
-        "data.val=60",
-        "data.test=60",
-        "model.hidden_channels=16",
-        "model.num_filters=16",
-        "model.num_interactions=1",
-        "model.num_gaussians=8",
+    return qm9_smoke_overrides(
+        store,
+        run_dir,
+        "data.subset=0",  # over configs/qm9_quickstart.yaml's 16000
         "model.k=8",
-        "packing.packs_per_batch=4",
         "optim.epochs=2",
-        "optim.schedule=constant",
-        "optim.beat_baseline=false",  # a smoke run, too short to learn
-        "loader.workers=0",
-        "logging.progress=false",
-        "logging.log_every=1",
-        f"logging.run_dir={run_dir}",
-        "backend.device=cpu",  # the CPU program also on a GPU machine (auto would pick CUDA)
+        "backend.threads=0",  # torch's default: these runs keep the session's thread count
+        "logging.plot=true",
         *extra,
-    ]
+    )
 
 
 def weights(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -96,7 +80,7 @@ def test_ctrl_c_checkpoints_and_resume_matches_an_uninterrupted_run(store, tmp_p
     reference = weights(tmp_path / "whole")
 
     interrupted = tmp_path / "interrupted"
-    command = [sys.executable, str(ROOT / "train.py"), *tiny(store, interrupted, "optim.epochs=3")]
+    command = [*TRAIN_PY, *tiny(store, interrupted, "optim.epochs=3")]
     process = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True)
     metrics = interrupted / "metrics.jsonl"
     deadline = time.monotonic() + 120
@@ -229,7 +213,7 @@ def test_ipu_model_emulates_four_replicas_in_one_process(store, tmp_path):
 
 
 def test_cli_prints_config_and_rejects_unknown_keys():
-    run = [sys.executable, str(ROOT / "train.py"), "--config", "configs/qm9.yaml"]
+    run = [*TRAIN_PY, "--config", "configs/qm9.yaml"]
     shown = subprocess.run(
         [*run, "--print-config", "optim.lr=5e-4"], cwd=ROOT, capture_output=True, text=True
     )

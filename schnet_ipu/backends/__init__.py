@@ -33,7 +33,7 @@ from schnet_ipu.backends.distributed import (
 )
 from schnet_ipu.backends.torch_backend import LossFn, RecompilationError, TorchBackend
 from schnet_ipu.batch import Batch
-from schnet_ipu.config import BackendConfig, ConfigError
+from schnet_ipu.config import IPU_DEVICES, BackendConfig, ConfigError
 from schnet_ipu.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -147,7 +147,7 @@ def make_backend(
     a :class:`Backend`.
     """
     device = device or select_device(backend_cfg.device)
-    if device in ("ipu", "ipu-model"):
+    if device in IPU_DEVICES:
         if backend_cfg.precision != "fp32":
             raise ConfigError("backend.precision applies to cpu and cuda; use fp32 with PopTorch")
         from schnet_ipu.backends.poptorch_backend import PoptorchBackend

@@ -40,11 +40,10 @@ import torch.multiprocessing as mp
 from torch import Tensor, nn
 
 from schnet_ipu.backends.shared_memory import SharedMemoryReduction
-from schnet_ipu.config import BackendConfig, ConfigError
+from schnet_ipu.config import IPU_DEVICES, BackendConfig, ConfigError
 from schnet_ipu.errors import EXIT_USER_ERROR, UserError
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-IPU_DEVICES = ("ipu", "ipu-model")
 _spawn_barrier = None  # the barrier of the replicas spawned together with this process
 
 
