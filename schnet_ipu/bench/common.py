@@ -97,15 +97,9 @@ def bench_config(store: str | Path, sample: int, size: ModelConfig, overrides: l
     split file beside the store makes it the same molecules for every variant.
     """
     cfg = Config(model=replace(size))  # the model under test; overrides pick its graph
-    base = [
-        f"data.path={store}",
-        f"data.subset={round(sample / 0.9)}",
-        "data.val=0.05",
-        "data.test=0.05",
-        "optim.grad_clip=0",
-        "backend.device=cpu",
-        "logging.progress=false",
-    ]
+    base = [f"data.path={store}", f"data.subset={round(sample / 0.9)}", "data.val=0.05",
+            "data.test=0.05", "optim.grad_clip=0", "backend.device=cpu",
+            "logging.progress=false"]  # fmt: skip
     for item in [*base, *overrides]:
         apply_override(cfg, item)
     validate(cfg)
@@ -148,13 +142,8 @@ def train_for(cfg: Config, minutes: float, run_dir: Path) -> tuple[dict, list[di
     from schnet_ipu.training import train
 
     cfg = copy.deepcopy(cfg)
-    for item in (
-        f"optim.max_minutes={minutes}",
-        "optim.epochs=100000",
-        "logging.progress=false",
-        "logging.plot=false",
-        f"logging.run_dir={run_dir}",
-    ):
+    for item in (f"optim.max_minutes={minutes}", "optim.epochs=100000", "logging.progress=false",
+                 "logging.plot=false", f"logging.run_dir={run_dir}"):  # fmt: skip
         apply_override(cfg, item)
     validate(cfg)
     final = train(cfg, fresh=True)
@@ -203,14 +192,8 @@ def commit() -> str | None:
 
 
 def new_report(suite: str, results: list[dict], ratios: dict, notes: list[str]) -> dict:
-    return {
-        "suite": suite,
-        "machine": machine(),
-        "commit": commit(),
-        "results": results,
-        "ratios": ratios,
-        "notes": notes,
-    }
+    return {"suite": suite, "machine": machine(), "commit": commit(), "results": results,
+            "ratios": ratios, "notes": notes}  # fmt: skip
 
 
 def _cell(value: Any) -> str:

@@ -46,17 +46,9 @@ from schnet_ipu.pipeline import PreparedData, prepare_data
 
 DEFAULT_CONFIG = ROOT / "configs/emt_forces.yaml"
 OURS = "ours"
-COLUMNS = [
-    "name",
-    "minutes",
-    "structures_per_s",
-    "test_energy_mae_meV_per_atom",
-    "test_energy_mae_eV",
-    "test_force_mae",
-    "structures_seen",
-    "epochs",
-    "load_1min",
-]
+COLUMNS = ["name", "minutes", "structures_per_s", "test_energy_mae_meV_per_atom",
+           "test_energy_mae_eV", "test_force_mae", "structures_seen", "epochs",
+           "load_1min"]  # fmt: skip
 PLOT = ("name", "test_force_mae", "test force MAE after equal wall time (eV/A)")
 FORCES_PLOT = ["validation force MAE (eV/A)", "validation energy MAE (eV)"]
 
@@ -87,26 +79,16 @@ def store_frames(data: PreparedData, target: str) -> dict[str, list]:
     store = data.store
     energy, forces = store.target(target), store.forces()
     cells, pbc = store.cells()
-    frames: dict[str, list] = {k: [] for k in ("z", "pos", "energy", "forces", "cell", "pbc")}
-    for i in range(len(store)):
-        z, pos = store.molecule(i)
-        frames["z"].append(z)
-        frames["pos"].append(pos)
-        frames["energy"].append(float(energy[i]))
-        frames["forces"].append(forces[store.offsets[i] : store.offsets[i + 1]])
-        frames["cell"].append(cells[i])
-        frames["pbc"].append(pbc[i])
-    return frames
+    z, pos = zip(*(store.molecule(i) for i in range(len(store))))
+    offsets = store.offsets
+    return {"z": list(z), "pos": list(pos), "energy": [float(e) for e in energy],
+            "forces": [forces[a:b] for a, b in zip(offsets[:-1], offsets[1:])],
+            "cell": list(cells), "pbc": list(pbc)}  # fmt: skip
 
 
 def write_split(data: PreparedData, path: Path) -> None:
     """The store's split as schnetpack's ``split.npz`` (train_idx, val_idx, test_idx)."""
-    np.savez(
-        path,
-        train_idx=data.split["train"],
-        val_idx=data.split["val"],
-        test_idx=data.split["test"],
-    )
+    np.savez(path, **{f"{name}_idx": data.split[name] for name in ("train", "val", "test")})
 
 
 def train_ours(cfg: Config, minutes: float, run_dir: Path, name: str = OURS) -> dict:

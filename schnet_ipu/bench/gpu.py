@@ -24,8 +24,8 @@ from __future__ import annotations
 import math
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
+from typing import Callable
 
 import torch
 

@@ -121,6 +121,17 @@ COLUMNS = ["name", "full_list_s_per_frame", "ratio_to_vesin", "step_ms"]
 PLOT = ("name", "ratio_to_vesin", "seconds per full neighbour list / vesin's")
 
 
+def copper_store(path: Path, pos: np.ndarray, cells: np.ndarray, forces: bool = False):
+    """The frames as a store (energies and, with ``forces``, forces zero)."""
+    count = len(pos)
+    zeros = {"forces": np.zeros_like(pos)} if forces else {}
+    energy = {"energy": np.zeros(count)}
+    pbc = np.ones((count, 3), bool)
+    path = write_store(path, np.full(pos.shape[:2], 29), pos, energy, {"energy": "eV"},
+                       cell=cells, pbc=pbc, **zeros)  # fmt: skip
+    return MoleculeStore(path)
+
+
 def run(quick: bool, store: str | Path) -> dict:
     """The suite; ``store`` is the QM9 store of the other suites, unused here."""
     return run_periodic(5000, 100, 10) if quick else run_periodic()
@@ -133,16 +144,7 @@ def run_periodic(
     pos, cells = fcc_frames(frames)
     facts: dict = {"frames": frames, "atoms_per_frame": 32, "cutoff": CUTOFF}
     with tempfile.TemporaryDirectory() as folder:
-        path = write_store(
-            Path(folder) / "fcc.h5",
-            np.full(pos.shape[:2], 29),
-            pos,
-            {"energy": np.zeros(frames)},
-            {"energy": "eV"},
-            cell=cells,
-            pbc=np.ones((frames, 3), bool),
-        )
-        store = MoleculeStore(path)
+        store = copper_store(Path(folder) / "fcc.h5", pos, cells)
         start = time.perf_counter()
         pairs = build_periodic_pairs(store, CUTOFF)
         facts["pairs_file_build_s"] = time.perf_counter() - start
@@ -151,18 +153,7 @@ def run_periodic(
         facts["full_list_s_per_frame"] = per_frame
         facts["full_list_s_extrapolated"] = {k: v * frames for k, v in per_frame.items()}
         facts["ratio_to_vesin"] = {k: v / per_frame["vesin"] for k, v in per_frame.items()}
-        small = MoleculeStore(
-            write_store(
-                Path(folder) / "small.h5",
-                np.full((trained, 32), 29),
-                pos[:trained],
-                {"energy": np.zeros(trained)},
-                {"energy": "eV"},
-                forces=np.zeros_like(pos[:trained]),
-                cell=cells[:trained],
-                pbc=np.ones((trained, 3), bool),
-            )
-        )
+        small = copper_store(Path(folder) / "small.h5", pos[:trained], cells[:trained], True)
         step_ms = step_times(small, steps)
     facts["step_ms"] = step_ms
     facts["periodic_over_molecular"] = step_ms["periodic"] / step_ms["molecular"]

@@ -9,8 +9,7 @@ group (the balance suite's epochs) is one request whose answer is every rank's r
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
