@@ -24,10 +24,10 @@ import numpy as np
 import torch
 
 from schnet_ipu import components
-from schnet_ipu.backends import ReplicaInfo
+from schnet_ipu.backends import init_replica
 from schnet_ipu.config import Config, ModelConfig, apply_override, validate
 from schnet_ipu.loader import PackedLoader
-from schnet_ipu.pipeline import PreparedData
+from schnet_ipu.pipeline import PreparedData, make_loader, prepare_data
 
 QM9_STORE = "data/qm9.h5"
 ROOT = Path(__file__).resolve().parents[2]
@@ -112,9 +112,25 @@ def packs_for(data: PreparedData, molecules_per_batch: float) -> int:
     return max(1, round(molecules_per_batch / per_pack))
 
 
-def make_trainer(cfg: Config, data: PreparedData, replica: ReplicaInfo | None = None):
-    """The backend of the trainer's own setup (model, fused Adam, standardised loss)."""
-    return components.make_trainer(cfg, data, replica)[2]
+def our_trainer(
+    store: str | Path,
+    sample: int,
+    size: ModelConfig,
+    overrides: list[str],
+    batch_molecules: float,
+    replicas: int = 1,
+) -> tuple[Config, PreparedData, PackedLoader, Any]:
+    """The trainer's own setup (model, fused Adam, standardised loss) on a sample of
+    ``store``: config, data, this replica's training loader and the backend. ``replicas`` >
+    1: this process is one of R data-parallel replicas (it joins their group here) training
+    about ``batch_molecules / R`` molecules per optimiser step, so that the replicas together
+    take about ``batch_molecules``."""
+    cfg = bench_config(store, sample, size, [*overrides, f"backend.replicas={replicas}"])
+    replica = init_replica(cfg.backend, "cpu")
+    data = prepare_data(cfg)
+    cfg.packing.packs_per_batch = packs_for(data, batch_molecules / replicas)
+    loader = make_loader(cfg, data, "train", replica.rank, replica.world_size)
+    return cfg, data, loader, components.make_trainer(cfg, data, replica)[2]
 
 
 def training_step(loader: PackedLoader, backend) -> Callable[[], int]:

@@ -13,22 +13,19 @@ from pathlib import Path
 
 import torch
 
-from schnet_ipu.backends import init_replica
 from schnet_ipu.bench import pyg
 from schnet_ipu.bench.common import (
     QM9_STORE,
     Timing,
-    bench_config,
-    make_trainer,
     measure_side_by_side,
     new_report,
-    packs_for,
+    our_trainer,
     ratio,
     training_step,
 )
 from schnet_ipu.bench.replicas import Replicas
 from schnet_ipu.config import ModelConfig
-from schnet_ipu.pipeline import PreparedData, make_loader, prepare_data
+from schnet_ipu.pipeline import PreparedData
 
 PACKED = {"packed radius+tuple": ("radius", "tuple"), "packed knn+lpfhp": ("knn", "lpfhp")}
 COMPILED = " compiled"  # name suffix of variants whose step runs through torch.compile
@@ -49,18 +46,12 @@ def ours(
     batch_molecules: int = 32,
     replicas: int = 1,
 ) -> tuple[dict, PreparedData, Callable[[], int]]:
-    """One of our configurations: its description, its data and its training step (the
-    loader's next batches through ``TorchBackend.train_call``).
-
-    ``replicas`` > 1: this process is one of R data-parallel replicas (it joins their group
-    here) training about ``batch_molecules / R`` molecules per optimiser step, so that the
-    replicas together take about ``batch_molecules``.
-    """
-    cfg = bench_config(store, sample, size, [*overrides, f"backend.replicas={replicas}"])
-    replica = init_replica(cfg.backend, "cpu")
-    data = prepare_data(cfg)
-    cfg.packing.packs_per_batch = packs_for(data, batch_molecules / replicas)
-    loader = make_loader(cfg, data, "train", replica.rank, replica.world_size)
+    """One of our configurations (:func:`~schnet_ipu.bench.common.our_trainer`): its
+    description, its data and its training step (the loader's next batches through
+    ``TorchBackend.train_call``)."""
+    cfg, data, loader, backend = our_trainer(
+        store, sample, size, overrides, batch_molecules, replicas
+    )
     plan = data.train_plan
     row = {
         "replicas": replicas,
@@ -74,7 +65,7 @@ def ours(
         "edge_efficiency": plan.edge_efficiency,
         "workers": cfg.loader.workers,
     }
-    return row, data, training_step(loader, make_trainer(cfg, data, replica))
+    return row, data, training_step(loader, backend)
 
 
 def replica_setup(rank: int, world: int, setups: dict[str, tuple]) -> tuple[dict, dict]:
