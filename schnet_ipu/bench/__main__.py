@@ -14,7 +14,8 @@ Options some suites take (another suite refuses them): ``--device`` (gpu: cuda o
 ``--subset N`` (gpu, accuracy: molecules; 0 = all), ``--molecules-per-step N`` (gpu),
 ``--profile`` (gpu: top kernels per step), ``--minutes M`` (accuracy 10, forces 1.5),
 ``--set section.key=value`` (gpu, forces, force_step; repeatable), ``--config C`` (forces,
-force_step), ``--variant 'NAME: key=value ...'`` (forces: another row of ours; repeatable),
+force_step), ``--variant`` (repeatable; forces: ``'NAME: key=value ...'``, another row of
+ours; gpu: a step variant of ``gpu.VARIANTS``, all of them by default),
 ``--parallel N`` (forces: sides at a time, 2). Each suite prints a table and writes
 ``SUITE.json``, ``SUITE.md`` and ``SUITE.png`` in ``--out-dir``; the report records the
 command that made it.

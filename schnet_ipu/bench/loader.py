@@ -26,7 +26,14 @@ import torch
 
 from schnet_ipu import compiled_feed
 from schnet_ipu.bench import pyg
-from schnet_ipu.bench.common import QM9_STORE, Timing, measure_side_by_side, new_report, ratio
+from schnet_ipu.bench.common import (
+    PAPER_CONFIG,
+    QM9_STORE,
+    Timing,
+    measure_side_by_side,
+    new_report,
+    ratio,
+)
 from schnet_ipu.config import load_config
 from schnet_ipu.data import MoleculeStore, radius_edges
 from schnet_ipu.feed import OutputBuffers
@@ -37,7 +44,7 @@ COLUMNS = ["name", "workers", "device", "cold_molecules_per_s", "warm_molecules_
            "vs_pyg_cold", "vs_pyg_warm", "molecules", "feed_state_mb", "rss_mb"]  # fmt: skip
 PLOT = ("name", "warm_molecules_per_s", "molecules/s (warm)")
 NO_GPU = " (no GPU here: the in-process program on the same CPU tensors)"
-CONFIG = Path(__file__).resolve().parents[2] / "configs" / "qm9.yaml"
+CONFIG = PAPER_CONFIG
 WARM_EPOCHS = 5  # warm = the median epoch of these rounds (a shared machine is noisy)
 PYG = "stock PyG DataLoader"
 
