@@ -13,7 +13,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from schnet_ipu.batch import Batch
 from schnet_ipu.bench import pyg
 from schnet_ipu.bench.common import Timing, measure_side_by_side, new_report
 from schnet_ipu.config import ModelConfig
@@ -52,18 +51,19 @@ def one_batch(store: MoleculeStore, index: np.ndarray, algorithm: str, layout: d
     return dataset.collate([index[p] for p in packs]), packs, plan
 
 
-def run_benchmark(
-    molecules: int = 512,
-    repeats: int = 5,
-    store: str = "data/qm9.h5",
+def run(
+    quick: bool,
+    store: str,
     max_nodes: int = 64,
     max_graphs: int = 16,
     seed: int = 0,
     filter_points: int = 256,
 ) -> dict:
-    """Time forward+backward of our SchNet and PyG's on the same molecules, same weights and
-    the same interaction graphs, in ``repeats`` interleaved rounds after a warm-up round.
-    ``filter=table`` rows tabulate the filter on ``filter_points`` grid points."""
+    """Time forward+backward of our SchNet and PyG's on the same molecules (512; ``quick``
+    128), same weights and the same interaction graphs, in interleaved rounds (5; ``quick``
+    3) after a warm-up round. ``filter=table`` rows tabulate the filter on
+    ``filter_points`` grid points."""
+    molecules, repeats = (128, 3) if quick else (512, 5)
     qm9 = MoleculeStore(store)
     index = np.sort(np.random.default_rng(seed).choice(len(qm9), molecules, replace=False))
     knn = one_batch(qm9, index, "lpfhp", {"max_nodes": max_nodes, "max_graphs": max_graphs})
@@ -112,31 +112,22 @@ def run_benchmark(
             for name, r in results.items()
             if name.startswith("ours")
         }
-    knn_batch: Batch = knn[0]
-    return {
-        "molecules": molecules,
-        "atoms": int(qm9.num_atoms[index].sum()),
-        "threads": torch.get_num_threads(),
-        "hyperparameters": {
-            **hyper,
-            "cutoff": SIZE.cutoff,
-            "k": SIZE.k,
-            "filter_points": filter_points,
-        },
-        "packs": {
-            "max_nodes": max_nodes,
-            "max_graphs": max_graphs,
-            "radius_max_nodes": radius[2].max_nodes,
-            "radius_max_edges": radius[2].max_edges,
-            "knn_packs": knn_batch.num_nodes // max_nodes,
-            "radius_packs": len(radius[1]),
-            "node_slots_knn": knn_batch.num_nodes,
-        },
-        "edges": edges,
-        "results": results,
-        **speedup,
-        "note": PYG_NOTE,
-    }
+    rows = [
+        {"name": name, **r, **{key: speedup[key].get(name) for key in speedup}}
+        for name, r in results.items()
+    ]
+    (knn_batch, _, _), (_, radius_packs, radius_plan) = knn, radius
+    notes = [
+        f"{molecules} QM9 molecules ({int(qm9.num_atoms[index].sum())} atoms), "
+        f"{torch.get_num_threads()} threads, forward+backward, median of {repeats} rounds.",
+        f"knn k=24: {knn_batch.num_nodes // max_nodes} packs of {max_nodes} atoms, "
+        f"{edges['knn']['ours']} edge slots (ours), {edges['knn']['real']} real edges (PyG).",
+        f"radius 6 A: {len(radius_packs)} packs of {radius_plan.max_nodes} atoms and "
+        f"{radius_plan.max_edges} edges, {edges['radius']['ours']} edge slots (ours), "
+        f"{edges['radius']['real']} real edges (PyG).",
+        PYG_NOTE,
+    ]
+    return new_report("model", rows, speedup["speedup_vs_pyg"], notes)
 
 
 def fwd_bwd(model: torch.nn.Module, args: tuple, molecules: int):
@@ -148,30 +139,3 @@ def fwd_bwd(model: torch.nn.Module, args: tuple, molecules: int):
         return molecules
 
     return step
-
-
-def run(quick: bool, store: str) -> dict:
-    """The bench suite: 512 molecules and 5 rounds (``quick``: 128 and 3)."""
-    molecules, repeats = (128, 3) if quick else (512, 5)
-    report = run_benchmark(molecules, repeats, store)
-    rows = [
-        {
-            "name": name,
-            **r,
-            "speedup_vs_pyg": report["speedup_vs_pyg"].get(name),
-            "speedup_vs_pyg_min": report["speedup_vs_pyg_min"].get(name),
-        }
-        for name, r in report["results"].items()
-    ]
-    edges, packs = report["edges"], report["packs"]
-    notes = [
-        f"{report['molecules']} QM9 molecules ({report['atoms']} atoms), "
-        f"{report['threads']} threads, forward+backward, median of {repeats} rounds.",
-        f"knn k=24: {packs['knn_packs']} packs of {packs['max_nodes']} atoms, "
-        f"{edges['knn']['ours']} edge slots (ours), {edges['knn']['real']} real edges (PyG).",
-        f"radius 6 A: {packs['radius_packs']} packs of {packs['radius_max_nodes']} atoms and "
-        f"{packs['radius_max_edges']} edges, {edges['radius']['ours']} edge slots (ours), "
-        f"{edges['radius']['real']} real edges (PyG).",
-        report["note"],
-    ]
-    return new_report("model", rows, report["speedup_vs_pyg"], notes)
