@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 
@@ -50,10 +51,11 @@ def config(graph: str):
 
 
 def packed_batch(graph: str) -> Batch:
-    """Two packs of real QM9 molecules (torch 2.13 side only: uses the packing library)."""
+    """Two packs of real QM9 molecules (torch 2.13 side only: the tests' batch helpers)."""
     import numpy as np
 
-    from schnet_ipu.bench.model import load_molecules, molecules_to_batch, pair_array
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from bench_helpers import load_molecules, molecules_to_batch, pair_array
 
     molecules = load_molecules(STORE, 12, seed=0)
     packs = [list(range(0, 6)), list(range(6, 12))]

@@ -86,55 +86,6 @@ def test_batching(store: Path, tmp_path: Path) -> None:
     assert {r["dataset"] for r in loaded["results"]} == {"qm9", "water"}
 
 
-def test_scaling_one_replica(store: Path, tmp_path: Path) -> None:
-    from schnet_ipu.bench import scaling
-
-    report = scaling.run_scaling(
-        store, sample=200, size=TINY, timing=ONE_STEP, replicas=(1,), synthetic_packs=1
-    )
-    loaded = check_report(report, "scaling", tmp_path, scaling)
-    assert loaded["results"][0]["collectives_per_step"] == 0
-
-
-@pytest.mark.slow
-def test_scaling_two_replicas(store: Path, tmp_path: Path) -> None:
-    from schnet_ipu.bench import scaling
-
-    report = scaling.run_scaling(
-        store, sample=200, size=TINY, timing=ONE_STEP, replicas=(1, 2), batch_molecules=8,
-        synthetic_packs=1,
-    )  # fmt: skip
-    loaded = check_report(report, "scaling", tmp_path, scaling)
-    by_name = {r["name"]: r for r in loaded["results"]}
-    assert by_name["2 replica(s) merged"]["collectives_per_step"] == 1
-    assert by_name["2 replica(s) shared memory"]["collectives_per_step"] == 1
-    assert by_name["2 replica(s) per-parameter"]["collectives_per_step"] > 1
-    assert {"merged_vs_per_parameter_2", "shared_memory_vs_gloo_2"} <= set(loaded["ratios"])
-
-
-def test_ablation_one_replica(store: Path, tmp_path: Path) -> None:
-    from schnet_ipu.bench import ablation
-
-    report = ablation.run_ablation(
-        store, sample=200, size=TINY, timing=ONE_STEP, replicas=1, batch_molecules=8,
-        compile=False,
-    )  # fmt: skip
-    loaded = check_report(report, "ablation", tmp_path, ablation)
-    assert len(loaded["results"]) == len(ablation.STEPS) - 1
-    assert loaded["results"][0]["vs_start"] == 1.0
-
-
-@pytest.mark.slow
-def test_ablation_two_replicas_compiled(store: Path, tmp_path: Path) -> None:
-    from schnet_ipu.bench import ablation
-
-    report = ablation.run_ablation(
-        store, sample=200, size=TINY, timing=ONE_STEP, replicas=2, batch_molecules=8
-    )
-    loaded = check_report(report, "ablation", tmp_path, ablation)
-    assert len(loaded["results"]) == len(ablation.STEPS)
-
-
 def test_model(store: Path, tmp_path: Path) -> None:
     from schnet_ipu.bench import model
 
@@ -213,3 +164,36 @@ def test_accuracy(store: Path, tmp_path: Path) -> None:
         assert row["test_mae"] > 0 and row["molecules_seen"] > 0 and row["curve"]
     assert (tmp_path / "accuracy_vs_time.png").stat().st_size > 0
     assert loaded["ratios"]["test_mae_ours_over_pyg"] > 0
+
+
+@pytest.mark.usefixtures("restore_threads")  # the step ratio runs on one thread
+def test_periodic(tmp_path: Path) -> None:
+    from schnet_ipu.bench import periodic
+
+    report = periodic.run_periodic(frames=60, compare=3, steps=2, trained=40)
+    loaded = check_report(report, "periodic", tmp_path, periodic)
+    assert loaded["ratio_to_vesin"]["vesin"] == 1.0 and loaded["ratio_to_vesin"]["ase"] > 0
+    assert loaded["pairs_per_frame"] > 0 and loaded["periodic_over_molecular"] > 0
+    assert set(loaded["step_ms"]) == {"periodic", "molecular"}
+
+
+def test_calculator(tmp_path: Path) -> None:
+    from schnet_ipu.bench import calculator
+
+    rows = [("molecule", "paper", calculator.molecule(6)),
+            ("Cu fcc", "metal", calculator.copper((1, 1, 1)))]  # fmt: skip
+    loaded = check_report(calculator.run(True, "", rows), "calculator", tmp_path, calculator)
+    names = {r["name"] for r in loaded["results"]}
+    assert names == {"calculator float32", "calculator float64", "exported float32",
+                     "exported float64"}  # fmt: skip
+    for row in loaded["results"]:
+        assert row["ms_per_call"] > 0 and row["load_avg"] is not None
+        assert (row["md_steps_per_s"] or 0) > 0 or row["name"].startswith("exported")
+
+
+def test_runner_refuses_another_suites_option() -> None:
+    from schnet_ipu.bench.__main__ import main
+
+    for argv in (["dense", "--minutes", "1"], ["calculator", "--config", "c.yaml"]):
+        with pytest.raises(SystemExit):
+            main(argv)

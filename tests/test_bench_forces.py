@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from helpers import load_script
 
-from schnet_ipu.bench.forces_vs_schnetpack import (
+from schnet_ipu.bench import force_step
+from schnet_ipu.bench.forces import (
     force_config,
     store_frames,
     train_ours,
@@ -33,28 +34,26 @@ def tiny(tmp_path_factory):
         6, 4, rattle=0.1, seed=3, sizes=(4, 8)
     )
     ase.io.write(root / "emt.extxyz", frames, format="extxyz")
-    cfg = force_config(
-        ROOT / "configs/emt_forces.yaml",
-        [
-            f"data.files=[{root / 'emt.extxyz'}]",
-            f"data.path={root / 'emt.h5'}",
-            "data.val=4",
-            "data.test=4",
-            "model.hidden_channels=16",
-            "model.num_filters=16",
-            "model.num_interactions=1",
-            "model.num_gaussians=8",
-            "optim.warmup_steps=0",
-            "optim.beat_baseline=false",  # a 3-second smoke run, too short to learn
-            "packing.max_nodes=16",
-            "packing.packs_per_batch=2",
-        ],
-    )
-    return cfg, frames, root
+    overrides = [
+        f"data.files=[{root / 'emt.extxyz'}]",
+        f"data.path={root / 'emt.h5'}",
+        "data.val=4",
+        "data.test=4",
+        "model.hidden_channels=16",
+        "model.num_filters=16",
+        "model.num_interactions=1",
+        "model.num_gaussians=8",
+        "optim.warmup_steps=0",
+        "optim.beat_baseline=false",  # a 3-second smoke run, too short to learn
+        "packing.max_nodes=16",
+        "packing.packs_per_batch=2",
+    ]
+    cfg = force_config(ROOT / "configs/emt_forces.yaml", overrides)
+    return cfg, frames, root, overrides
 
 
 def test_the_peer_gets_the_files_frames_and_our_split(tiny):
-    cfg, frames, root = tiny
+    cfg, frames, root, _ = tiny
     data = prepare_data(cfg)
     got = store_frames(data, cfg.data.target)
     assert len(got["z"]) == len(frames)
@@ -73,7 +72,7 @@ def test_the_peer_gets_the_files_frames_and_our_split(tiny):
 
 
 def test_our_side_reports_a_row(tiny):
-    cfg, _, root = tiny
+    cfg, _, root, _ = tiny
     row = with_units(train_ours(cfg, minutes=0.05, run_dir=root / "ours"), 0.05)
     for key in ("test_energy_mae_eV", "test_force_mae", "structures_per_s", "structures_seen"):
         assert math.isfinite(row[key]) and row[key] > 0, key
@@ -87,3 +86,11 @@ def test_our_side_reports_a_row(tiny):
 def test_an_energy_only_config_is_refused():
     with pytest.raises(UserError, match="force config"):
         force_config(ROOT / "configs/emt_forces.yaml", ["optim.forces_weight=0"])
+
+
+def test_force_step_times_every_variant(tiny):
+    _, _, _, overrides = tiny
+    report = force_step.run(True, "", ROOT / "configs/emt_forces.yaml", overrides)
+    assert set(report["step_ms"]) == set(force_step.VARIANTS)
+    assert report["ratio_to_energy"]["energy"] == 1.0 and report["atoms_per_batch"] > 0
+    assert all(row["step_ms"] > 0 for row in report["results"])

@@ -7,9 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from bench_helpers import load_molecules, molecules_to_batch, pair_array, plan_packs
 
 from schnet_ipu.batch import Batch
-from schnet_ipu.bench.model import load_molecules, molecules_to_batch, pair_array, plan_packs
 from schnet_ipu.config import ModelConfig
 from schnet_ipu.model import SchNet
 from schnet_ipu.model.dense import dense_graph, pair_efficiency

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from bench_helpers import load_molecules, molecules_to_batch, pair_array, plan_packs
 from test_forces import emt_batch, emt_frames
 
 from schnet_ipu.backends.poptorch_ops import check_poptorch_ops
-from schnet_ipu.bench.model import load_molecules, molecules_to_batch, pair_array, plan_packs
 from schnet_ipu.config import ConfigError, load_config
 from schnet_ipu.data import MoleculeStore
 from schnet_ipu.data.water_sampled import generate_water_sampled

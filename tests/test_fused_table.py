@@ -14,10 +14,10 @@ import pytest
 import torch
 from ase.build import bulk
 from ase.calculators.emt import EMT
+from bench_helpers import load_molecules, molecules_to_batch, pair_array, plan_packs
 from test_forces import emt_batch, emt_frames
 from test_periodic import batch_of
 
-from schnet_ipu.bench.model import load_molecules, molecules_to_batch, pair_array, plan_packs
 from schnet_ipu.model import SchNet
 from schnet_ipu.model.filter_table import grid_position, hermite_coefficients
 from schnet_ipu.model.ops import fused_table

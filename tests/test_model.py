@@ -9,15 +9,15 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from torch_geometric.nn.models import SchNet as PygSchNet
-
-from schnet_ipu.batch import Batch
-from schnet_ipu.bench.model import (
+from bench_helpers import (
     load_molecules,
     molecules_to_batch,
     pair_array,
     plan_packs,
 )
+from torch_geometric.nn.models import SchNet as PygSchNet
+
+from schnet_ipu.batch import Batch
 from schnet_ipu.config import ModelConfig
 from schnet_ipu.model import SchNet
 from schnet_ipu.model.ops import FLAVOURS, Ops, get_ops, naive_shifted_softplus

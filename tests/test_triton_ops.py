@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from bench_helpers import molecules_to_batch, pair_array, plan_packs
 
 from schnet_ipu.backends import TorchBackend
 from schnet_ipu.batch import Batch
-from schnet_ipu.bench.model import molecules_to_batch, pair_array, plan_packs
 from schnet_ipu.config import ConfigError
 from schnet_ipu.data import MoleculeStore, generate_water
 from schnet_ipu.model import SchNet

@@ -27,64 +27,26 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from schnet_ipu.bench.common import new_report, ratio
-from schnet_ipu.bench.throughput import RadiusInteractionGraph
-from schnet_ipu.config import apply_override, load_config, validate
+from schnet_ipu.bench import pyg
+from schnet_ipu.bench.common import PAPER_CONFIG, curve_plot, new_report, ratio, train_for
+from schnet_ipu.config import load_config
 from schnet_ipu.pipeline import PreparedData, prepare_data
-from schnet_ipu.runlog import read_records
-from schnet_ipu.training import train
 
-PAPER_CONFIG = Path(__file__).resolve().parents[2] / "configs/qm9.yaml"
 COLUMNS = ["name", "test_mae", "best_val_mae", "molecules_seen", "epochs", "seconds"]
 PLOT = ("name", "test_mae", "test MAE after equal wall time (eV)")
-
-
-def pyg_split(data: PreparedData, split: str) -> list:
-    """A split's molecules as PyG ``Data`` (z, pos, y: the target minus atom references)."""
-    from torch_geometric.data import Data
-
-    items = []
-    for index in data.split[split].tolist():
-        z, pos = data.store.molecule(index)
-        y = torch.tensor([data.targets[index]], dtype=torch.float32)
-        items.append(Data(z=torch.from_numpy(z.astype(np.int64)), pos=torch.from_numpy(pos), y=y))
-    return items
-
-
-def pyg_mae(model: torch.nn.Module, items: list) -> float:
-    from torch_geometric.loader import DataLoader
-
-    model.eval()
-    errors = []
-    with torch.no_grad():
-        for batch in DataLoader(items, batch_size=128):
-            errors.append((model(batch.z, batch.pos, batch.batch) - batch.y.view(-1, 1)).abs())
-    model.train()
-    return float(torch.cat(errors).mean())
 
 
 def stock_pyg(data: PreparedData, model_cfg, minutes: float) -> dict:
     """Stock PyG SchNet for ``minutes`` (see the module docstring)."""
     from torch_geometric.loader import DataLoader
-    from torch_geometric.nn.models import SchNet as PygSchNet
 
-    train_items, val_items = pyg_split(data, "train"), pyg_split(data, "val")
+    train_items, val_items = pyg.items(data, "train"), pyg.items(data, "val")
     train_index = data.split["train"]
     per_atom = data.targets[train_index] / data.store.num_atoms[train_index]
     torch.manual_seed(0)
-    model = PygSchNet(
-        hidden_channels=model_cfg.hidden_channels,
-        num_filters=model_cfg.num_filters,
-        num_interactions=model_cfg.num_interactions,
-        num_gaussians=model_cfg.num_gaussians,
-        cutoff=model_cfg.cutoff,
-        mean=float(per_atom.mean()),
-        std=float(per_atom.std()),
-        interaction_graph=RadiusInteractionGraph(model_cfg.cutoff),  # no torch-cluster needed
-    )
+    model = pyg.schnet(model_cfg, mean=float(per_atom.mean()), std=float(per_atom.std()))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     loader = DataLoader(train_items, batch_size=32, shuffle=True)
     budget, every = 60.0 * minutes, 3.0 * minutes
@@ -104,18 +66,18 @@ def stock_pyg(data: PreparedData, model_cfg, minutes: float) -> dict:
             seen += batch.num_graphs
             if time.perf_counter() - start >= next_val:
                 next_val += every
-                mae = pyg_mae(model, val_items)
+                mae = pyg.mae(model, val_items)
                 curve.append((time.perf_counter() - start, mae))
                 if mae < best:
                     best, best_state = mae, copy.deepcopy(model.state_dict())
-    mae = pyg_mae(model, val_items)
+    mae = pyg.mae(model, val_items)
     curve.append((time.perf_counter() - start, mae))
     if mae < best:
         best, best_state = mae, copy.deepcopy(model.state_dict())
     model.load_state_dict(best_state)
     return {
         "name": "stock PyG SchNet",
-        "test_mae": pyg_mae(model, pyg_split(data, "test")),
+        "test_mae": pyg.mae(model, pyg.items(data, "test")),
         "best_val_mae": best,
         "molecules_seen": seen,
         "epochs": seen / len(train_items),
@@ -125,18 +87,7 @@ def stock_pyg(data: PreparedData, model_cfg, minutes: float) -> dict:
 
 
 def ours(cfg_overrides: list[str], minutes: float, run_dir: Path) -> dict:
-    cfg = load_config(PAPER_CONFIG, cfg_overrides)
-    for item in (
-        f"optim.max_minutes={minutes}",
-        "optim.epochs=100000",
-        "logging.progress=false",
-        "logging.plot=false",
-        f"logging.run_dir={run_dir}",
-    ):
-        apply_override(cfg, item)
-    validate(cfg)
-    final = train(cfg, fresh=True)
-    epochs = read_records(run_dir / "metrics.jsonl", "epoch")
+    final, epochs = train_for(load_config(PAPER_CONFIG, cfg_overrides), minutes, run_dir)
     return {
         "name": "ours (configs/qm9.yaml)",
         "test_mae": final["test_mae"],
@@ -148,23 +99,6 @@ def ours(cfg_overrides: list[str], minutes: float, run_dir: Path) -> dict:
         "seconds": final["budget_seconds"],
         "curve": [(r["budget_seconds"], r["val_mae"]) for r in epochs],
     }
-
-
-def plot_curves(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for row in rows:
-        seconds, mae = zip(*row["curve"])
-        ax.plot(np.array(seconds) / 60, mae, "o-", ms=3, label=row["name"])
-    ax.set(xlabel="minutes of training", ylabel="validation MAE (eV)", yscale="log")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def run_accuracy(
@@ -183,7 +117,7 @@ def run_accuracy(
     rows = [mine, stock]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    plot_curves(rows, out / "accuracy_vs_time.png")
+    curve_plot(rows, ["validation MAE (eV)"], out / "accuracy_vs_time.png")
     ratios = {"test_mae_ours_over_pyg": ratio(mine["test_mae"], stock["test_mae"])}
     notes = [
         f"{minutes} min each, one after the other; threads {torch.get_num_threads()}",

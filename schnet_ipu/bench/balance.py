@@ -20,7 +20,6 @@ of the timed epochs.
 
 from __future__ import annotations
 
-import json
 import statistics
 import tempfile
 import time
@@ -30,11 +29,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from schnet_ipu.backends import launch_replicas
+from schnet_ipu.backends import init_replica
 from schnet_ipu.backends.distributed import broadcast_parameters, merged_allreduce
 from schnet_ipu.batch import Batch
 from schnet_ipu.bench.common import QM9_STORE, new_report
-from schnet_ipu.config import ModelConfig
+from schnet_ipu.bench.replicas import Replicas
+from schnet_ipu.config import BackendConfig, ModelConfig
 from schnet_ipu.data import MoleculeStore, generate_water, make_split, radius_pairs
 from schnet_ipu.feed import FeedArrays
 from schnet_ipu.loader import Layout, PackedDataset
@@ -112,39 +112,41 @@ def run_epoch(model, optim, batches: list[Batch], schedule: np.ndarray, rank: in
     return {"compute": compute, "wall": time.perf_counter() - start}
 
 
-def _replica(rank: int, jobs: list[dict], size: ModelConfig, epochs: int, out: str) -> None:
-    """Time every job's epochs on this rank; rank 0 writes the rows to ``out``."""
-    dist.init_process_group("gloo", rank=rank, world_size=REPLICAS)
-    try:
-        results = []
-        for job in jobs:
-            store = MoleculeStore(job["store"])
-            batches = build_batches(store, job["index"], job["batching"], job["batch"], size.cutoff)
-            atoms, edges = shape_counts(batches)
-            torch.manual_seed(0)
-            model = SchNet(
-                size.hidden_channels, size.num_filters, size.num_interactions,
-                size.num_gaussians, size.cutoff, graph="radius", max_nodes_per_pack=1,
-            )  # fmt: skip
-            broadcast_parameters(model)
-            for p in model.parameters():
-                p.grad = torch.zeros_like(p)
-            optim = torch.optim.Adam(model.parameters(), lr=1e-4)
-            rr = round_robin(len(batches), REPLICAS)
-            run_epoch(model, optim, batches, rr, rank)  # warm-up
-            cost = calibrate(model, optim, store, job["index"], size.cutoff, rank)
-            balanced = balance_batches(cost.predict(atoms, edges), REPLICAS, seed=0)
-            records = []
-            for _ in range(epochs):
-                records.append(("round_robin", rr, run_epoch(model, optim, batches, rr, rank)))
-                records.append(
-                    ("cost_model", balanced, run_epoch(model, optim, batches, balanced, rank))
-                )
-            results += summarise(job, records, cost, atoms, edges)
-        if rank == 0:
-            Path(out).write_text(json.dumps(results))
-    finally:
-        dist.destroy_process_group()
+def replica_setup(rank: int, world: int, jobs: list[dict], size: ModelConfig, epochs: int):
+    """The replica runner's setup: join the gloo group; one call, ``run``, times every job's
+    epochs on this rank (see the module docstring) and answers the rows."""
+    init_replica(BackendConfig(device="cpu", replicas=world), "cpu")
+    return None, {"run": lambda: time_jobs(rank, jobs, size, epochs)}
+
+
+def time_jobs(rank: int, jobs: list[dict], size: ModelConfig, epochs: int) -> list[dict]:
+    """Every job's rows (the same on every rank)."""
+    results = []
+    for job in jobs:
+        store = MoleculeStore(job["store"])
+        batches = build_batches(store, job["index"], job["batching"], job["batch"], size.cutoff)
+        atoms, edges = shape_counts(batches)
+        torch.manual_seed(0)
+        model = SchNet(
+            size.hidden_channels, size.num_filters, size.num_interactions,
+            size.num_gaussians, size.cutoff, graph="radius", max_nodes_per_pack=1,
+        )  # fmt: skip
+        broadcast_parameters(model)
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        optim = torch.optim.Adam(model.parameters(), lr=1e-4)
+        rr = round_robin(len(batches), REPLICAS)
+        run_epoch(model, optim, batches, rr, rank)  # warm-up
+        cost = calibrate(model, optim, store, job["index"], size.cutoff, rank)
+        balanced = balance_batches(cost.predict(atoms, edges), REPLICAS, seed=0)
+        records = []
+        for _ in range(epochs):
+            records.append(("round_robin", rr, run_epoch(model, optim, batches, rr, rank)))
+            records.append(
+                ("cost_model", balanced, run_epoch(model, optim, batches, balanced, rank))
+            )
+        results += summarise(job, records, cost, atoms, edges)
+    return results
 
 
 def calibrate(model, optim, store, index: np.ndarray, cutoff: float, rank: int):
@@ -233,9 +235,8 @@ def run_balance(
             )
             for batching in ("dynamic", "packs")
         ]  # fmt: skip
-        out = Path(tmp) / "rows.json"
-        launch_replicas(_replica, REPLICAS, jobs, size, epochs, str(out))
-        results = json.loads(out.read_text())
+        with Replicas(REPLICAS, replica_setup, jobs, size, epochs) as group:
+            results = group.call("run")[0]
     ratios = {}
     for job in jobs:
         rows = {r["schedule"]: r for r in results if r["label"].startswith(

@@ -8,9 +8,7 @@ on real batches of the most frequent shapes, weighted into an epoch estimate.
 
 from __future__ import annotations
 
-import statistics
 import tempfile
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -18,7 +16,7 @@ import numpy as np
 import torch
 
 from schnet_ipu.batch import Batch
-from schnet_ipu.bench.common import QM9_STORE, new_report
+from schnet_ipu.bench.common import QM9_STORE, Timing, measure_side_by_side, new_report
 from schnet_ipu.config import ModelConfig
 from schnet_ipu.data import MoleculeStore, edge_counts, generate_water, make_split
 from schnet_ipu.loader import Layout, PackedDataset
@@ -53,7 +51,7 @@ def epoch_batches(
         result = run_baseline(algorithm, nodes, edges, batch, seed)
         batches = [
             ([b], Layout(1, shape[0], shape[2], shape[1], cutoff))
-            for b, shape in zip(result.batches, result.shapes, strict=True)
+            for b, shape in zip(result.batches, result.shapes)
         ]
         return batches, result.node_efficiency, result.edge_efficiency
     plan = plan_packing(nodes, edges if algorithm != "lpfhp" else None, algorithm)
@@ -76,12 +74,15 @@ def shape_of(layout: Layout) -> Shape:
     return b * layout.max_nodes, b * layout.max_edges, b * layout.max_graphs
 
 
-def fwd_bwd_seconds(model: SchNet, batch: Batch) -> float:
-    """Seconds of one forward+backward pass of ``model`` on ``batch``."""
-    start = time.perf_counter()
-    model.zero_grad(set_to_none=True)
-    masked_mse(model(batch), batch.y, batch.graph_mask, 1.0).backward()
-    return time.perf_counter() - start
+def fwd_bwd(model: SchNet, batch: Batch):
+    """A timer step: one forward+backward pass of ``model`` on ``batch``."""
+
+    def step() -> int:
+        model.zero_grad(set_to_none=True)
+        masked_mse(model(batch), batch.y, batch.graph_mask, 1.0).backward()
+        return 1
+
+    return step
 
 
 def bench_dataset(
@@ -134,17 +135,13 @@ def bench_dataset(
                     wanted.discard(shape)
                     dataset = PackedDataset(store, index, targets, any_plan, layout, 0)
                     probes.append((row, shape, dataset.collate([index[p] for p in packs])))
-    times: list[list[float]] = [[] for _ in probes]
-    for round_ in range(repeats + 1):  # round 0 warms up
-        for i, (_, _, batch) in enumerate(probes):
-            seconds = fwd_bwd_seconds(model, batch)
-            if round_:
-                times[i].append(seconds)
+    steps = {str(i): fwd_bwd(model, batch) for i, (_, _, batch) in enumerate(probes)}
+    rates = measure_side_by_side(steps, Timing(warmup=1, steps=1, repeats=repeats))
     for row in rows:
         shapes = row.pop("shape_counts")
         timed = {
-            shape: statistics.median(t)
-            for (owner, shape, _), t in zip(probes, times, strict=True)
+            shape: rates[str(i)].step_seconds
+            for i, (owner, shape, _) in enumerate(probes)
             if owner is row
         }
         covered = sum(shapes[s] for s in timed)

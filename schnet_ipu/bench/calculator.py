@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -35,7 +34,7 @@ from ase.md.velocitydistribution import MaxwellBoltzmannDistribution
 from ase.md.verlet import VelocityVerlet
 from ase.units import fs
 
-from schnet_ipu.bench.common import new_report
+from schnet_ipu.bench.common import PAPER_CONFIG, ROOT, Timing, measure_side_by_side, new_report
 from schnet_ipu.calculator import SchNetCalculator
 from schnet_ipu.checkpoint import save_checkpoint
 from schnet_ipu.config import load_config
@@ -43,8 +42,6 @@ from schnet_ipu.inference import ONE_THREAD_ATOMS, export_model, intra_op_thread
 from schnet_ipu.model_file import ModelSpec
 from schnet_ipu.task import EnergyTask, TargetTransform
 
-ROOT = Path(__file__).resolve().parents[2]
-PAPER_CONFIG = ROOT / "configs/qm9.yaml"
 METAL_CONFIG = ROOT / "configs/emt_bulk.yaml"
 COLUMNS = ["name", "structure", "atoms", "dtype", "ms_per_call", "md_steps_per_s", "load_avg"]
 PLOT = ("name", "ms_per_call", "ms per energy + forces (+ stress) call")
@@ -120,18 +117,21 @@ def md_rate(calc: SchNetCalculator, atoms: Atoms, steps: int) -> float:
 
 
 def interleaved_latency(calls: dict[str, Callable], atoms: Atoms, rounds: int) -> dict:
-    """Median milliseconds of each ``call(atoms)``, one call of each per round on the same
-    moved positions (after WARM_UP rounds)."""
+    """Median milliseconds of each ``call(atoms)`` over ``rounds`` interleaved rounds (after
+    WARM_UP), every call of a round on the same moved positions (moved outside the timing)."""
     rng = np.random.default_rng(1)
-    times: dict[str, list[float]] = {name: [] for name in calls}
+    moved = []
     for _ in range(rounds + WARM_UP):
-        moved = atoms.copy()
-        moved.positions += rng.normal(0, 1e-3, atoms.positions.shape)
-        for name, call in calls.items():
-            start = time.perf_counter()
-            call(moved)
-            times[name].append(time.perf_counter() - start)
-    return {name: 1000 * statistics.median(t[WARM_UP:]) for name, t in times.items()}
+        moved.append(atoms.copy())
+        moved[-1].positions += rng.normal(0, 1e-3, atoms.positions.shape)
+
+    def step(call: Callable) -> Callable[[], int]:
+        frames = iter(moved)
+        return lambda: call(next(frames)) or 1
+
+    steps = {name: step(call) for name, call in calls.items()}
+    rates = measure_side_by_side(steps, Timing(warmup=WARM_UP, steps=1, repeats=rounds))
+    return {name: 1000 * rate.step_seconds for name, rate in rates.items()}
 
 
 def calculator_call(calc: SchNetCalculator) -> Callable:
@@ -170,7 +170,8 @@ def cases(quick: bool) -> list[tuple[str, str, Atoms]]:
     return rows
 
 
-def run(quick: bool, store: str | Path) -> dict:
+def run(quick: bool, store: str | Path, structures: list | None = None) -> dict:
+    """Every row of ``structures`` (:func:`cases` when None); ``store`` is unused."""
     results = []
     with tempfile.TemporaryDirectory() as folder:
         paths = {
@@ -185,7 +186,7 @@ def run(quick: bool, store: str | Path) -> dict:
                 exported = Path(folder) / f"{model}-{name}.torchscript.pt"
                 export_model(path, exported, dtype=dtype)
                 modules[model, name] = torch.jit.load(str(exported))
-        for structure, model, atoms in cases(quick):
+        for structure, model, atoms in structures or cases(quick):
             calls = {}
             for dtype in ("float32", "float64"):
                 calls[f"calculator {dtype}"] = calculator_call(calcs[model, dtype])

@@ -1,4 +1,5 @@
-"""Shared pieces of the benchmark suites: configs, timing, machine facts and reports.
+"""The one harness of the benchmark suites: configs, the interleaved timer, machine facts and
+the report writer.
 
 Every suite returns a report dict ``{"suite", "machine", "commit", "results", "ratios",
 "notes"}``; :func:`write_report` prints its table and writes the JSON, markdown and PNG.
@@ -6,6 +7,7 @@ Every suite returns a report dict ``{"suite", "machine", "commit", "results", "r
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -13,25 +15,29 @@ import platform
 import statistics
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from schnet_ipu import components
-from schnet_ipu.backends import ReplicaInfo
+from schnet_ipu.backends import init_replica
 from schnet_ipu.config import Config, ModelConfig, apply_override, validate
 from schnet_ipu.loader import PackedLoader
-from schnet_ipu.pipeline import PreparedData
+from schnet_ipu.pipeline import PreparedData, make_loader, prepare_data
 
 QM9_STORE = "data/qm9.h5"
+ROOT = Path(__file__).resolve().parents[2]
+PAPER_CONFIG = ROOT / "configs/qm9.yaml"
 
 
 @dataclass
 class Timing:
-    """How long a measurement runs: ``warmup`` steps untimed, then ``repeats`` x ``steps``."""
+    """How long a measurement runs: ``warmup`` calls untimed, then ``repeats`` rounds of a
+    window of ``steps`` calls of every variant in turn."""
 
     warmup: int = 3
     steps: int = 10
@@ -40,77 +46,20 @@ class Timing:
 
 @dataclass
 class Rate:
-    """Median molecules/s and seconds per step over the timed repeats."""
+    """Medians over the rounds: counted items (molecules, calls) per second and seconds per
+    call; ``repeats`` and ``seconds`` hold every round's rate and seconds per call."""
 
     molecules_per_s: float
     step_seconds: float
     molecules_per_step: float
     repeats: list[float] = field(default_factory=list)
-
-
-def bench_config(store: str | Path, sample: int, size: ModelConfig, overrides: list[str]) -> Config:
-    """A validated config on a fixed random ``sample`` of the store's training molecules.
-
-    ``data.subset`` draws the sample (with small val/test shares the split needs); the
-    split file beside the store makes it the same molecules for every variant.
-    """
-    cfg = Config(model=replace(size))  # the model under test; overrides pick its graph
-    base = [
-        f"data.path={store}",
-        f"data.subset={round(sample / 0.9)}",
-        "data.val=0.05",
-        "data.test=0.05",
-        "optim.grad_clip=0",
-        "backend.device=cpu",
-        "logging.progress=false",
-    ]
-    for item in [*base, *overrides]:
-        apply_override(cfg, item)
-    validate(cfg)
-    return cfg
-
-
-def molecules_per_pack(data: PreparedData) -> float:
-    return len(data.split["train"]) / data.train_plan.num_packs
-
-
-def packs_for(data: PreparedData, molecules_per_batch: float) -> int:
-    """Packs per batch giving about ``molecules_per_batch`` molecules per step."""
-    return max(1, round(molecules_per_batch / molecules_per_pack(data)))
-
-
-def make_trainer(cfg: Config, data: PreparedData, replica: ReplicaInfo | None = None):
-    """The backend of the trainer's own setup (model, fused Adam, standardised loss)."""
-    return components.make_trainer(cfg, data, replica)[2]
-
-
-def host_calls(loader: PackedLoader) -> Iterator[list]:
-    """Host calls of the loader, epoch after epoch, forever."""
-    epoch = 0
-    while True:
-        yield from loader.epoch(epoch)
-        epoch += 1
-
-
-def training_step(loader: PackedLoader, backend) -> Callable[[], int]:
-    """One host call: the next micro-batches from the loader, then ``train_call``."""
-    calls = host_calls(loader)
-
-    def step() -> int:
-        return sum(r["molecules"] for r in backend.train_call(next(calls)))
-
-    return step
-
-
-def measure(step: Callable[[], int], timing: Timing) -> Rate:
-    """Run ``step`` (returns molecules processed) ``warmup`` times, then time ``repeats``
-    windows of ``steps`` calls; medians over the windows."""
-    return measure_side_by_side({"": step}, timing)[""]
+    seconds: list[float] = field(default_factory=list)
 
 
 def measure_side_by_side(steps: dict[str, Callable[[], int]], timing: Timing) -> dict[str, Rate]:
-    """Warm every step up, then per repeat time one window of each in turn, so a change in
-    the machine's load hits every variant alike; medians over the windows."""
+    """The one timer. Warm every step up, then per round time one window of each in turn, so
+    a change in the machine's load hits every variant alike; medians over the rounds. A step
+    returns how many items (molecules) it processed."""
     for step in steps.values():
         for _ in range(timing.warmup):
             step()
@@ -128,6 +77,7 @@ def measure_side_by_side(steps: dict[str, Callable[[], int]], timing: Timing) ->
             statistics.median(seconds / timing.steps for seconds, _ in w),
             statistics.median(count / timing.steps for _, count in w),
             [count / seconds for seconds, count in w],
+            [seconds / timing.steps for seconds, _ in w],
         )
         for name, w in windows.items()
     }
@@ -137,7 +87,86 @@ def ratio(a: float, b: float) -> float | None:
     return a / b if b else None
 
 
-# --- machine and commit ---------------------------------------------------------------------
+# --- our trainer on a sample of a store -----------------------------------------------------
+
+
+def bench_config(store: str | Path, sample: int, size: ModelConfig, overrides: list[str]) -> Config:
+    """A validated config on a fixed random ``sample`` of the store's training molecules.
+
+    ``data.subset`` draws the sample (with small val/test shares the split needs); the
+    split file beside the store makes it the same molecules for every variant.
+    """
+    cfg = Config(model=replace(size))  # the model under test; overrides pick its graph
+    base = [f"data.path={store}", f"data.subset={round(sample / 0.9)}", "data.val=0.05",
+            "data.test=0.05", "optim.grad_clip=0", "backend.device=cpu",
+            "logging.progress=false"]  # fmt: skip
+    for item in [*base, *overrides]:
+        apply_override(cfg, item)
+    validate(cfg)
+    return cfg
+
+
+def packs_for(data: PreparedData, molecules_per_batch: float) -> int:
+    """Packs per batch giving about ``molecules_per_batch`` molecules per step."""
+    per_pack = len(data.split["train"]) / data.train_plan.num_packs
+    return max(1, round(molecules_per_batch / per_pack))
+
+
+def our_trainer(
+    store: str | Path,
+    sample: int,
+    size: ModelConfig,
+    overrides: list[str],
+    batch_molecules: float,
+    replicas: int = 1,
+) -> tuple[Config, PreparedData, PackedLoader, Any]:
+    """The trainer's own setup (model, fused Adam, standardised loss) on a sample of
+    ``store``: config, data, this replica's training loader and the backend. ``replicas`` >
+    1: this process is one of R data-parallel replicas (it joins their group here) training
+    about ``batch_molecules / R`` molecules per optimiser step, so that the replicas together
+    take about ``batch_molecules``."""
+    cfg = bench_config(store, sample, size, [*overrides, f"backend.replicas={replicas}"])
+    replica = init_replica(cfg.backend, "cpu")
+    data = prepare_data(cfg)
+    cfg.packing.packs_per_batch = packs_for(data, batch_molecules / replicas)
+    loader = make_loader(cfg, data, "train", replica.rank, replica.world_size)
+    return cfg, data, loader, components.make_trainer(cfg, data, replica)[2]
+
+
+def training_step(loader: PackedLoader, backend) -> Callable[[], int]:
+    """One host call: the next micro-batches from the loader (epoch after epoch), then
+    ``train_call``; returns the molecules trained."""
+
+    def host_calls():
+        epoch = 0
+        while True:
+            yield from loader.epoch(epoch)
+            epoch += 1
+
+    calls = host_calls()
+
+    def step() -> int:
+        return sum(r["molecules"] for r in backend.train_call(next(calls)))
+
+    return step
+
+
+def train_for(cfg: Config, minutes: float, run_dir: Path) -> tuple[dict, list[dict]]:
+    """Our trainer (``train.py``'s own loop) on a copy of ``cfg`` for ``minutes`` of its
+    budget: its final record and its epoch records."""
+    from schnet_ipu.runlog import read_records
+    from schnet_ipu.training import train
+
+    cfg = copy.deepcopy(cfg)
+    for item in (f"optim.max_minutes={minutes}", "optim.epochs=100000", "logging.progress=false",
+                 "logging.plot=false", f"logging.run_dir={run_dir}"):  # fmt: skip
+        apply_override(cfg, item)
+    validate(cfg)
+    final = train(cfg, fresh=True)
+    return final, read_records(Path(run_dir) / "metrics.jsonl", "epoch")
+
+
+# --- machine, commit and the report -------------------------------------------------------
 
 
 def machine() -> dict[str, Any]:
@@ -163,11 +192,12 @@ def machine() -> dict[str, Any]:
 def commit() -> str | None:
     """The git sha of the checkout, with ``-dirty`` when it has uncommitted changes."""
     try:
+        git = ["git", "-C", str(ROOT)]
         sha = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+            [*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
+            [*git, "status", "--porcelain", "--untracked-files=no"],
             capture_output=True,
             text=True,
             check=True,
@@ -178,17 +208,8 @@ def commit() -> str | None:
 
 
 def new_report(suite: str, results: list[dict], ratios: dict, notes: list[str]) -> dict:
-    return {
-        "suite": suite,
-        "machine": machine(),
-        "commit": commit(),
-        "results": results,
-        "ratios": ratios,
-        "notes": notes,
-    }
-
-
-# --- output ---------------------------------------------------------------------------------
+    return {"suite": suite, "machine": machine(), "commit": commit(), "results": results,
+            "ratios": ratios, "notes": notes}  # fmt: skip
 
 
 def _cell(value: Any) -> str:
@@ -208,15 +229,9 @@ def json_safe(value: Any) -> Any:
     return value
 
 
-def format_table(rows: list[dict], columns: list[str]) -> list[str]:
-    """Markdown table lines of ``columns`` of ``rows``."""
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(_cell(r.get(c)) for c in columns) + " |" for r in rows]
-    return lines
-
-
 def to_markdown(report: dict, columns: list[str]) -> str:
     m = report["machine"]
+    rows = report["results"]
     lines = [
         f"# schnet_ipu.bench {report['suite']}",
         "",
@@ -224,7 +239,9 @@ def to_markdown(report: dict, columns: list[str]) -> str:
         f"torch {m['torch']}, GPU {m['gpu']}, Python {m['python']}, "
         f"load average {m['load_average']}; commit {report['commit']}.",
         "",
-        *format_table(report["results"], columns),
+        "| " + " | ".join(columns) + " |",
+        "|" + "---|" * len(columns),
+        *("| " + " | ".join(_cell(r.get(c)) for c in columns) + " |" for r in rows),
         "",
     ]
     if report["ratios"]:
@@ -235,19 +252,42 @@ def to_markdown(report: dict, columns: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def bar_plot(report: dict, label: str, value: str, ylabel: str, path: Path) -> None:
-    """One bar per result row: ``value`` against ``label``."""
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def bar_plot(report: dict, label: str, value: str, ylabel: str, path: Path) -> None:
+    """One bar per result row: ``value`` against ``label``."""
+    plt = _pyplot()
     rows = [r for r in report["results"] if r.get(value) is not None]
     fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(rows) + 2), 4.5))
     ax.bar(range(len(rows)), [r[value] for r in rows], color="tab:blue")
     ax.set_xticks(range(len(rows)), [str(r[label]) for r in rows], rotation=40, ha="right")
     ax.set_ylabel(ylabel)
     ax.set_title(f"schnet_ipu.bench {report['suite']} ({report['machine']['cpu']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def curve_plot(rows: list[dict], ylabels: list[str], path: Path) -> None:
+    """Each row's ``curve`` of (seconds, value, ...) points: one panel per value, against
+    minutes of training, log scale."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(ylabels), figsize=(5.5 * len(ylabels) + 1.5, 4))
+    axes = np.atleast_1d(axes)
+    for row in rows:
+        seconds, *values = (np.array(c) for c in zip(*row["curve"]))
+        for ax, value in zip(axes, values):
+            ax.plot(seconds / 60, value, "o-", ms=3, label=row["name"])
+    for ax, ylabel in zip(axes, ylabels):
+        ax.set(xlabel="minutes of training", ylabel=ylabel, yscale="log")
+    axes[0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

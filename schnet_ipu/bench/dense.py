@@ -18,17 +18,14 @@ import torch
 from schnet_ipu.bench.common import (
     QM9_STORE,
     Timing,
-    bench_config,
-    make_trainer,
     measure_side_by_side,
     new_report,
-    packs_for,
+    our_trainer,
     training_step,
 )
 from schnet_ipu.config import ModelConfig
 from schnet_ipu.data import generate_water
 from schnet_ipu.model.dense import dense_graph, pair_efficiency
-from schnet_ipu.pipeline import make_loader, prepare_data
 
 GRAPHS = {"radius": "tuple", "knn": "lpfhp"}  # graph -> its default packing algorithm
 WATER = ["data.source=water", "data.target=energy", "data.atomrefs=false"]
@@ -40,13 +37,11 @@ PLOT = ("label", "molecules_per_s", "training molecules/s")
 
 def variant(store: str, sample: int, size: ModelConfig, overrides: list[str], batch: int):
     """Row facts, the training step and the pair efficiencies of one configuration."""
-    cfg = bench_config(store, sample, size, [*overrides, "loader.workers=0"])
-    data = prepare_data(cfg)
+    cfg, data, loader, backend = our_trainer(
+        store, sample, size, [*overrides, "loader.workers=0"], batch
+    )
     for index in data.split["train"].tolist():  # in memory before timing
         data.store.molecule(index)
-    cfg.packing.packs_per_batch = packs_for(data, batch)
-    loader = make_loader(cfg, data, "train")
-    backend = make_trainer(cfg, data)
     first = next(iter(loader.epoch(0)))[0]
     model, plan = backend.model, data.train_plan
     k = model.k if model.graph == "knn" else None

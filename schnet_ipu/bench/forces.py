@@ -1,93 +1,226 @@
-"""Step time of force training against energy-only training, side by side; and the
-``forces`` suite of ``python -m schnet_ipu.bench`` (ours against schnetpack at equal wall
-time, :mod:`schnet_ipu.bench.forces_vs_schnetpack`).
+"""Force fields at equal wall time: our trainer against schnetpack 2.1.1's SchNet.
 
-    python -m schnet_ipu.bench.forces --config configs/emt_forces.yaml [key=value ...]
+    python -m schnet_ipu.bench forces [--config configs/emt_forces.yaml] [--minutes 1.5]
+        [--set section.key=value ...] [--variant "NAME: key=value key=value" ...]
+        [--parallel 2] [--out-dir DIR]
 
-Builds the run's trainer six times on the same batches: energy only (torch flavour), energy
-+ forces (torch flavour: custom autograd functions with double backward), energy + forces
-through plain ops (the ipu flavour, which autograd differentiates twice by itself), the
-first two with the tabulated filter (``model.filter=table``), and the energy-only table step
-compiled (``backend.compile``). The steps are timed in
-interleaved rounds, so load from other processes hits all alike; prints the median
-milliseconds per step and the ratios to energy-only (exact filter).
+On the frames of a force config (``data.files``, imported into its store; the store's split,
+so both sides train, validate and test on the same frames), with the config's model size:
+
+* ours: the config with ``optim.max_minutes=M`` (its recipe: packs per batch, learning rate
+  and schedule, force weight, EMA), trained by ``train.py``'s own loop; test errors of its
+  best-validation weights from the final record;
+* schnetpack 2.1.1: its SchNet of the same size with its stock MD17-style recipe, trained by
+  its own Lightning loop for M minutes (:mod:`schnet_ipu.bench.schnetpack_side`);
+* ``--variant``: more rows of ours, the config with the variant's overrides on top (the
+  recipe search).
+
+The sides run as separate processes, ``--parallel`` at a time (default 2: schnetpack and ours
+start together and share the machine's load alike; 1 runs them one after the other), one
+torch thread each. Every row reports training structures/s, test energy MAE (meV/atom and eV
+per structure) and test force MAE (eV/A per component), with the machine's 1-minute load
+average at the end of its wave; the ratios are ours (the config, no variant) over schnetpack;
+``forces_vs_time.png`` in ``--out-dir`` draws the validation errors against seconds of
+training, both sides.
+
+schnetpack is a bench-only extra (``pip install -e .[bench]``): without it the suite stops
+with one line saying so, before any work. Nothing in the tests imports it.
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
+import importlib.util
 import json
-import statistics
-import sys
-import time
+import multiprocessing
+import os
+import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from schnet_ipu.backends.distributed import ReplicaInfo
-from schnet_ipu.bench.forces_vs_schnetpack import COLUMNS, PLOT, run  # the suite
-from schnet_ipu.components import make_trainer
-from schnet_ipu.config import load_config
-from schnet_ipu.pipeline import make_loader, prepare_data
+from schnet_ipu.bench.common import ROOT, curve_plot, new_report, ratio, train_for
+from schnet_ipu.config import Config, load_config
+from schnet_ipu.errors import UserError
+from schnet_ipu.pipeline import PreparedData, prepare_data
 
-__all__ = ["COLUMNS", "PLOT", "main", "run"]
-
-# name -> (forces_weight, op flavour, model.filter, backend.compile); force steps are not
-# compiled (AOTAutograd refuses a double backward)
-VARIANTS = {
-    "energy": (0.0, "torch", "exact", False),
-    "forces": (1.0, "torch", "exact", False),
-    "forces_plain_ops": (1.0, "ipu", "exact", False),
-    "energy_table": (0.0, "torch", "table", False),
-    "forces_table": (1.0, "torch", "table", False),
-    "energy_table_compiled": (0.0, "torch", "table", True),
-}
+DEFAULT_CONFIG = ROOT / "configs/emt_forces.yaml"
+OURS = "ours"
+COLUMNS = ["name", "minutes", "structures_per_s", "test_energy_mae_meV_per_atom",
+           "test_energy_mae_eV", "test_force_mae", "structures_seen", "epochs",
+           "load_1min"]  # fmt: skip
+PLOT = ("name", "test_force_mae", "test force MAE after equal wall time (eV/A)")
+FORCES_PLOT = ["validation force MAE (eV/A)", "validation energy MAE (eV)"]
 
 
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m schnet_ipu.bench.forces")
-    parser.add_argument("--config", type=Path, required=True)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=5, help="steps per variant per round")
-    parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args(argv)
-    cfg = load_config(args.config, [*args.overrides, "loader.workers=0"])
-    if cfg.backend.threads:
-        torch.set_num_threads(cfg.backend.threads)
-    data = prepare_data(cfg)
-    calls = make_loader(cfg, data, "train").epoch(0)
-    batches = [next(calls) for _ in range(args.steps)]
-    backends = {}
-    for name, (weight, ops, filter_, compiled) in VARIANTS.items():
-        variant = dataclasses.replace(
-            cfg,
-            optim=dataclasses.replace(cfg.optim, forces_weight=weight),
-            model=dataclasses.replace(cfg.model, ops=ops, filter=filter_),
-            backend=dataclasses.replace(cfg.backend, compile=compiled),
+class MissingExtra(UserError):
+    """The bench-only extra (schnetpack) is not installed."""
+
+
+def require_schnetpack() -> None:
+    if importlib.util.find_spec("schnetpack") is None:
+        raise MissingExtra(
+            "bench forces needs schnetpack 2.1.1, a bench-only extra: pip install -e .[bench] "
+            "(see pyproject.toml)"
         )
-        backends[name] = make_trainer(variant, data, ReplicaInfo(), "cpu")[2]
-        backends[name].train_call(batches[0])  # warm-up
-    times: dict[str, list[float]] = {name: [] for name in VARIANTS}
-    for _ in range(args.rounds):
-        for name, backend in backends.items():
-            start = time.perf_counter()
-            for call in batches:
-                backend.train_call(call)
-            times[name].append(1000 * (time.perf_counter() - start) / len(batches))
-    median = {name: statistics.median(t) for name, t in times.items()}
-    report = {
-        "threads": torch.get_num_threads(),
-        "step_ms": median,
-        "ratio_to_energy": {name: median[name] / median["energy"] for name in VARIANTS},
-        "table_speedup": {
-            kind: median[kind] / median[f"{kind}_table"] for kind in ("energy", "forces")
-        },
-        "atoms_per_batch": int(batches[0][0].node_mask.sum()),
+
+
+def force_config(path: str | Path, overrides: list[str]) -> Config:
+    """The force config at ``path`` with ``overrides``; refuses a config without forces."""
+    cfg = load_config(path, [*overrides, "logging.progress=false", "logging.plot=false"])
+    if not cfg.data.forces_key or cfg.optim.forces_weight <= 0:
+        raise UserError(f"{path}: bench forces needs a force config (optim.forces_weight > 0)")
+    return cfg
+
+
+def store_frames(data: PreparedData, target: str) -> dict[str, list]:
+    """Every frame of the store in its order: ``z`` [n], ``pos`` [n, 3], ``energy`` (eV, the
+    store's target as imported), ``forces`` [n, 3] (eV/A), ``cell`` [3, 3], ``pbc`` [3]."""
+    store = data.store
+    energy, forces = store.target(target), store.forces()
+    cells, pbc = store.cells()
+    z, pos = zip(*(store.molecule(i) for i in range(len(store))))
+    offsets = store.offsets
+    return {"z": list(z), "pos": list(pos), "energy": [float(e) for e in energy],
+            "forces": [forces[a:b] for a, b in zip(offsets[:-1], offsets[1:])],
+            "cell": list(cells), "pbc": list(pbc)}  # fmt: skip
+
+
+def write_split(data: PreparedData, path: Path) -> None:
+    """The store's split as schnetpack's ``split.npz`` (train_idx, val_idx, test_idx)."""
+    np.savez(path, **{f"{name}_idx": data.split[name] for name in ("train", "val", "test")})
+
+
+def train_ours(cfg: Config, minutes: float, run_dir: Path, name: str = OURS) -> dict:
+    """Our trainer on ``cfg`` for ``minutes``: a result row with the validation curve."""
+    final, epochs = train_for(cfg, minutes, run_dir)
+    seen = sum(r["molecules_per_s"] * r["epoch_seconds"] for r in epochs)
+    return {
+        "name": name,
+        "test_mae": final["test_mae"],
+        "test_energy_mae_per_atom": final["test_energy_mae_per_atom"],
+        "test_force_mae": final["test_force_mae"],
+        "structures_per_s": seen / max(sum(r["epoch_seconds"] for r in epochs), 1e-9),
+        "structures_seen": seen,
+        "epochs": sum(r["epoch_fraction"] for r in epochs),
+        "seconds": final["budget_seconds"],
+        "curve": [(r["budget_seconds"], r["val_force_mae"], r["val_mae"]) for r in epochs],
     }
-    print(json.dumps(report, indent=2))
-    return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+def _side(job: dict, out: str) -> None:
+    """One side in its own process; its row goes to ``out`` as JSON."""
+    if job["side"] == "schnetpack":
+        from schnet_ipu.bench.schnetpack_side import train_schnetpack
+
+        os.chdir(Path(job["database"]).parent)  # its data module locks splitting.lock in "."
+
+        row = train_schnetpack(job["model"], job["database"], job["split"], job["minutes"])
+    else:
+        row = train_ours(job["cfg"], job["minutes"], Path(job["run_dir"]), job["name"])
+    Path(out).write_text(json.dumps(row))
+
+
+def run_sides(jobs: list[dict], parallel: int, folder: Path) -> list[dict]:
+    """``jobs`` as spawned processes, ``parallel`` at a time; their rows in order, each with
+    the 1-minute load average at the end of its wave."""
+    context = multiprocessing.get_context("spawn")
+    rows = []
+    for start in range(0, len(jobs), parallel):
+        wave = []
+        for k, job in enumerate(jobs[start : start + parallel], start):
+            out = folder / f"row{k}.json"
+            process = context.Process(target=_side, args=(job, str(out)), name=job["name"])
+            process.start()
+            wave.append((job, process, out))
+        for job, process, _ in wave:
+            process.join()
+            if process.exitcode != 0:
+                raise RuntimeError(f"bench forces: side {job['name']!r} exited {process.exitcode}")
+        load = os.getloadavg()[0]
+        for _, _, out in wave:
+            rows.append({**json.loads(out.read_text()), "load_1min": load})
+    return rows
+
+
+def with_units(row: dict, minutes: float) -> dict:
+    """``row`` with the report's columns: minutes, energy MAE in meV/atom and eV."""
+    return {
+        **row,
+        "minutes": minutes,
+        "test_energy_mae_meV_per_atom": 1000.0 * row["test_energy_mae_per_atom"],
+        "test_energy_mae_eV": row["test_mae"],
+    }
+
+
+def parse_variant(text: str) -> tuple[str, list[str]]:
+    """``"NAME: key=value key=value"`` -> (NAME, overrides)."""
+    name, sep, overrides = text.partition(":")
+    if not sep or not name.strip():
+        raise UserError(f"--variant {text!r} must look like 'NAME: section.key=value ...'")
+    return name.strip(), overrides.split()
+
+
+def run(
+    quick: bool,
+    store: str | Path,
+    minutes: float = 1.5,
+    config: str | Path = DEFAULT_CONFIG,
+    overrides: list[str] | None = None,
+    variants: list[str] | None = None,
+    parallel: int = 2,
+    out_dir: str | Path = "bench_results",
+) -> dict:
+    """Both sides for ``minutes`` (``quick``: 0.25) on ``config``'s frames; ``store`` is the
+    QM9 store of the other suites, unused here (the config names the data)."""
+    require_schnetpack()
+    minutes = min(minutes, 0.25) if quick else minutes
+    cfg = force_config(config, list(overrides or []))
+    data = prepare_data(cfg)  # the store and its split, before the sides read them
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        from schnet_ipu.bench.schnetpack_side import write_database
+
+        write_database(store_frames(data, cfg.data.target), data.dressed_atoms, folder / "db.db")
+        write_split(data, folder / "split.npz")
+        jobs = [
+            {"side": "schnetpack", "name": "schnetpack 2.1.1", "model": cfg.model,
+             "database": folder / "db.db", "split": folder / "split.npz", "minutes": minutes},
+            {"side": OURS, "name": OURS, "cfg": cfg, "minutes": minutes,
+             "run_dir": str(folder / "ours")},
+        ]  # fmt: skip
+        for k, text in enumerate(variants or []):
+            name, extra = parse_variant(text)
+            variant = force_config(config, [*(overrides or []), *extra])
+            jobs.append(
+                {"side": OURS, "name": f"ours: {name}", "cfg": variant, "minutes": minutes,
+                 "run_dir": str(folder / f"variant{k}")}
+            )  # fmt: skip
+        rows = [with_units(row, minutes) for row in run_sides(jobs, parallel, folder)]
+    stock, mine = rows[0], rows[1]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    curve_plot(rows, FORCES_PLOT, out / "forces_vs_time.png")
+    ratios = {
+        "force_mae_ours_over_schnetpack": ratio(mine["test_force_mae"], stock["test_force_mae"]),
+        "energy_mae_ours_over_schnetpack": ratio(mine["test_mae"], stock["test_mae"]),
+        "throughput_ours_over_schnetpack": ratio(
+            mine["structures_per_s"], stock["structures_per_s"]
+        ),
+    }
+    split = {name: len(index) for name, index in data.split.items()}
+    notes = [
+        f"{minutes} min each on {cfg.data.files} ({split}), {parallel} side(s) at a time, "
+        f"one torch thread each; torch {torch.__version__}",
+        f"model: {cfg.model.hidden_channels} features, {cfg.model.num_filters} filters, "
+        f"{cfg.model.num_interactions} interactions, {cfg.model.num_gaussians} Gaussians, "
+        f"cutoff {cfg.model.cutoff} A; ours filter={cfg.model.filter}",
+        f"ours: {config} {' '.join(overrides or [])}; packs_per_batch "
+        f"{cfg.packing.packs_per_batch}, lr {cfg.optim.lr} {cfg.optim.schedule}, forces_weight "
+        f"{cfg.optim.forces_weight}, ema_decay {cfg.optim.ema_decay}",
+        f"schnetpack: {stock['recipe']}",
+        "structures/s: training structures over seconds of training steps (data included, "
+        "validation not); errors: best-validation weights on the test split",
+        f"forces_vs_time.png in {out}: validation errors against minutes of training",
+    ]
+    return new_report("forces", rows, ratios, notes)

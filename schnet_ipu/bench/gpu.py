@@ -22,18 +22,25 @@ variant alike. Medians over the rounds.
 from __future__ import annotations
 
 import math
-import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from schnet_ipu import components
 from schnet_ipu.backends import ReplicaInfo
-from schnet_ipu.bench.common import QM9_STORE, new_report, packs_for, ratio
-from schnet_ipu.bench.throughput import PYG, RADIUS_BUILDER, pyg, pyg_items
+from schnet_ipu.bench import pyg
+from schnet_ipu.bench.common import (
+    PAPER_CONFIG,
+    QM9_STORE,
+    Timing,
+    measure_side_by_side,
+    new_report,
+    packs_for,
+    ratio,
+)
 from schnet_ipu.components import make_task
 from schnet_ipu.config import (
     Config,
@@ -47,7 +54,7 @@ from schnet_ipu.evaluation import evaluate
 from schnet_ipu.loader import PackedLoader
 from schnet_ipu.pipeline import PreparedData, make_loader, prepare_data
 
-PAPER_CONFIG = Path(__file__).resolve().parents[2] / "configs/qm9.yaml"
+PYG = pyg.NAME
 PRECISIONS = ("fp32", "tf32", "bf16")
 VARIANT_PRECISION = "tf32"
 VARIANTS = {  # name -> config overrides
@@ -125,7 +132,7 @@ def ours(
 
 def stock_pyg(data: PreparedData, cfg: Config, batch_size: int, device: str, items: list) -> Epoch:
     """Stock PyG SchNet (the throughput suite's) for one epoch of ``batch_size`` batches."""
-    step = pyg(data, cfg.model, batch_size, device, items)
+    step = pyg.training_step(data, cfg.model, batch_size, device, items)
     steps = math.ceil(len(items) / batch_size)
 
     def epoch(round_: int) -> dict:
@@ -136,33 +143,39 @@ def stock_pyg(data: PreparedData, cfg: Config, batch_size: int, device: str, ite
 
 def time_rounds(epochs: dict[str, Epoch], rounds: int, device: str) -> dict[str, dict]:
     """An untimed warm-up epoch of each variant, then ``rounds`` rounds of one timed epoch of
-    each in turn; per variant the median epoch seconds, its counts and peak memory."""
+    each in turn (the common timer); per variant the median epoch seconds, its counts and
+    peak memory."""
     cuda = device.startswith("cuda")
-    seconds: dict[str, list[float]] = {name: [] for name in epochs}
     last: dict[str, dict] = {}
     peak: dict[str, int] = dict.fromkeys(epochs, 0)
-    for round_ in range(rounds + 1):
-        for name, epoch in epochs.items():
+
+    def timed(name: str, epoch: Epoch) -> Callable[[], int]:
+        rounds_done = iter(range(1_000_000))
+
+        def step() -> int:
+            round_ = next(rounds_done)  # 0: the warm-up epoch
             if cuda:
-                torch.cuda.synchronize(device)
                 torch.cuda.reset_peak_memory_stats(device)
-            start = time.perf_counter()
-            counts = epoch(round_)
-            if cuda:
+            last[name] = epoch(round_)
+            if cuda:  # the epoch's end, and the next one's start, once the GPU is done
                 torch.cuda.synchronize(device)
                 peak[name] = max(peak[name], torch.cuda.max_memory_allocated(device))
-            took = time.perf_counter() - start
-            print(f"round {round_} {name}: {took:.2f} s", file=sys.stderr, flush=True)
-            if round_:
-                seconds[name].append(took)
-                last[name] = counts
+            print(f"round {round_} {name} done", file=sys.stderr, flush=True)
+            return last[name]["molecules"]
+
+        return step
+
+    steps = {name: timed(name, epoch) for name, epoch in epochs.items()}
+    if cuda:
+        torch.cuda.synchronize(device)
+    rates = measure_side_by_side(steps, Timing(warmup=1, steps=1, repeats=rounds))
     results = {}
-    for name, times in seconds.items():
-        median = statistics.median(times)
+    for name, rate in rates.items():
         counts = last[name]
+        median = rate.step_seconds
         results[name] = {
             "epoch_seconds": median,
-            "epoch_seconds_all": times,
+            "epoch_seconds_all": rate.seconds,
             "molecules_per_s": counts["molecules"] / median,
             "molecules_per_step": counts["molecules"] / counts["steps"],
             "steps_per_epoch": counts["steps"],
@@ -218,7 +231,7 @@ def run_gpu(
             skipped.append(f"{name}: {error}")
     for name, variant_cfg in configs.items():
         epochs[name], backends[name] = ours(variant_cfg, data, loader, device)
-    items = pyg_items(data)
+    items = pyg.items(data)
     for batch_size in pyg_batches:
         epochs[f"{PYG} batch {batch_size}"] = stock_pyg(data, cfg, batch_size, device, items)
     measured = time_rounds(epochs, rounds, device)
@@ -322,7 +335,7 @@ def notes(
         f"{cfg.loader.device_resident}; from a CPU feed to CUDA: pinned, non-blocking "
         "copies); the step losses are read once per epoch.",
         f"Stock PyG: torch_geometric.nn.models.SchNet with its DataLoader (shuffle) on the "
-        f"same molecules and loss, torch's default Adam; radius graph: {RADIUS_BUILDER}.",
+        f"same molecules and loss, torch's default Adam; radius graph: {pyg.RADIUS_BUILDER}.",
         f"Timing: an untimed warm-up epoch of every variant, then {rounds} round(s) of one "
         "epoch of each variant in turn; medians. data_fraction: share of our epoch spent "
         "waiting for the loader. val_mae: validation MAE (eV) after the warm-up and timed "

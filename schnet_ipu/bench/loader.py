@@ -15,20 +15,25 @@ of the compiled loop) are outside every row's timing.
 
 from __future__ import annotations
 
-import gc
 import resource
 import shutil
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from schnet_ipu import compiled_feed
-from schnet_ipu.bench.common import QM9_STORE, new_report, ratio
+from schnet_ipu.bench import pyg
+from schnet_ipu.bench.common import (
+    PAPER_CONFIG,
+    QM9_STORE,
+    Timing,
+    measure_side_by_side,
+    new_report,
+    ratio,
+)
 from schnet_ipu.config import load_config
 from schnet_ipu.data import MoleculeStore, radius_edges
 from schnet_ipu.feed import OutputBuffers
@@ -39,8 +44,9 @@ COLUMNS = ["name", "workers", "device", "cold_molecules_per_s", "warm_molecules_
            "vs_pyg_cold", "vs_pyg_warm", "molecules", "feed_state_mb", "rss_mb"]  # fmt: skip
 PLOT = ("name", "warm_molecules_per_s", "molecules/s (warm)")
 NO_GPU = " (no GPU here: the in-process program on the same CPU tensors)"
-CONFIG = Path(__file__).resolve().parents[2] / "configs" / "qm9.yaml"
-WARM_EPOCHS = 5  # warm = the median epoch of these (a shared machine is noisy)
+CONFIG = PAPER_CONFIG
+WARM_EPOCHS = 5  # warm = the median epoch of these rounds (a shared machine is noisy)
+PYG = "stock PyG DataLoader"
 
 
 def rss_mb() -> float:
@@ -53,31 +59,29 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def finished(loader: PackedLoader) -> float:
+def synchronised(loader: PackedLoader) -> float:
     """Now, once the work queued on the loader's device is done (CUDA runs asynchronously)."""
     if loader.dataset.arrays.device.type == "cuda":
         torch.cuda.synchronize(loader.dataset.arrays.device)
     return time.perf_counter()
 
 
-def epoch_molecules(loader: PackedLoader, epoch: int) -> tuple[int, float]:
-    """(molecules, seconds) of one whole epoch, counting every batch's molecules."""
-    start = finished(loader)
-    molecules = sum(b.num_molecules for call in loader.epoch(epoch) for b in call)
-    return molecules, finished(loader) - start
+def epochs(loader: PackedLoader):
+    """A timer step: the loader's next whole epoch, the loader alone; its molecules."""
+    counter = iter(range(1, 1_000_000))
 
+    def step() -> int:
+        molecules = sum(b.num_molecules for call in loader.epoch(next(counter)) for b in call)
+        synchronised(loader)
+        return molecules
 
-def epoch_seconds(loader: PackedLoader, epoch: int) -> float:
-    """Seconds of one whole epoch, the loader alone (its molecules are counted once, cold)."""
-    start = finished(loader)
-    for _ in loader.epoch(epoch):
-        pass
-    return finished(loader) - start
+    return step
 
 
 def ours(
     cfg, data: PreparedData, name: str, workers: int, device: str, pairs_s: float, compiled: bool
-) -> dict:
+) -> tuple[dict, PackedLoader]:
+    """A mode's row with its cold rate (and facts), and its loader for the warm rounds."""
     cfg.loader.workers = workers
     cfg.loader.device_resident = "true" if device != "cpu" else "false"
     data.feeds.clear()  # read the store again: cold
@@ -86,9 +90,8 @@ def ours(
     start = time.perf_counter()
     loader = make_loader(cfg, data, "train", device=device)
     loader.dataset.compiled = compiled
-    setup = time.perf_counter() - start
-    molecules, first = epoch_molecules(loader, 0)
-    warm = statistics.median(epoch_seconds(loader, e) for e in range(1, 1 + WARM_EPOCHS))
+    molecules = sum(b.num_molecules for call in loader.epoch(0) for b in call)
+    cold = synchronised(loader) - start
     arrays = loader.dataset.arrays
     chunk = loader.chunk_batches * loader.dataset.layout.batch_bytes(arrays.forces is not None)
     # chunk memory: the buffers the loader keeps for reuse, else the chunks in flight at most
@@ -97,67 +100,51 @@ def ours(
         "name": name,
         "workers": workers,
         "device": str(arrays.device),
-        "cold_molecules_per_s": molecules / (pairs_s + setup + first),
-        "warm_molecules_per_s": molecules / warm,
+        "cold_molecules_per_s": molecules / (pairs_s + cold),
         "molecules": molecules,
         "feed_state_mb": (arrays.nbytes() + in_flight) / 2**20,
         "rss_mb": rss_mb(),
     }
-    del loader
-    gc.collect()
-    return row
+    return row, loader
 
 
-def pyg(data: PreparedData, cutoff: float, batch_size: int, limit: int) -> dict:
-    """Stock PyG DataLoader over (up to ``limit`` of) the same training molecules."""
-    from torch_geometric.data import Data
+def stock(data: PreparedData, cutoff: float, batch_size: int, limit: int):
+    """Stock PyG DataLoader over (up to ``limit`` of) the same training molecules: its row
+    with the cold rate, and a timer step of one epoch."""
     from torch_geometric.loader import DataLoader
 
-    class RadiusGraph:
-        """What ``torch_geometric.transforms.RadiusGraph`` does, without torch-cluster."""
-
-        def __call__(self, item: Data) -> Data:
-            item.edge_index = radius_edges(item.pos, cutoff)
-            return item
-
     class Molecules(torch.utils.data.Dataset):
-        def __init__(self, items: list[Data]) -> None:
-            self.items, self.transform = items, RadiusGraph()
+        """The items with ``torch_geometric.transforms.RadiusGraph``'s edges, without
+        torch-cluster."""
+
+        def __init__(self, items: list) -> None:
+            self.items = items
 
         def __len__(self) -> int:
             return len(self.items)
 
-        def __getitem__(self, i: int) -> Data:
-            return self.transform(self.items[i].clone())
+        def __getitem__(self, i: int):
+            item = self.items[i].clone()
+            item.edge_index = radius_edges(item.pos, cutoff)
+            return item
 
     start = time.perf_counter()
-    items = []
-    for index in data.split["train"][:limit].tolist():
-        z, pos = data.store.molecule(index)
-        y = torch.tensor([data.targets[index]], dtype=torch.float32)
-        items.append(Data(z=torch.from_numpy(z.astype(np.int64)), pos=torch.from_numpy(pos), y=y))
-    loader = DataLoader(Molecules(items), batch_size=batch_size, shuffle=True)
-    read = time.perf_counter() - start
-    seconds = []
-    for _ in range(2):
-        start = time.perf_counter()
-        molecules = sum(batch.num_graphs for batch in loader)
-        seconds.append(time.perf_counter() - start)
-    return {
-        "name": "stock PyG DataLoader",
+    loader = DataLoader(Molecules(pyg.items(data, "train", limit)), batch_size, shuffle=True)
+    molecules = sum(batch.num_graphs for batch in loader)
+    row = {
+        "name": PYG,
         "workers": 0,
         "device": "cpu",
-        "cold_molecules_per_s": molecules / (read + seconds[0]),
-        "warm_molecules_per_s": molecules / seconds[1],
+        "cold_molecules_per_s": molecules / (time.perf_counter() - start),
         "molecules": molecules,
         "rss_mb": rss_mb(),
     }
+    return row, lambda: sum(batch.num_graphs for batch in loader)
 
 
 def progress(row: dict) -> None:
     """One finished mode on stderr, so a long run shows where it is."""
-    cold, warm = row["cold_molecules_per_s"], row["warm_molecules_per_s"]
-    print(f"{row['name']}: cold {cold:.0f}, warm {warm:.0f} molecules/s", file=sys.stderr)
+    print(f"{row['name']}: cold {row['cold_molecules_per_s']:.0f} molecules/s", file=sys.stderr)
 
 
 def run_loader(
@@ -179,13 +166,21 @@ def run_loader(
         loop = compiled_feed.AVAILABLE  # numba's compiled loop fills CPU batches
         modes = [(f"ours {w} workers", w, "cpu", loop) for w in workers]
         modes += [("ours 0 workers, torch program", 0, "cpu", False)] if loop else []
-        rows = []
+        rows, steps = [], {}
         for name, count, where, compiled in [*modes, ("ours device-resident", 0, device, loop)]:
-            rows.append(ours(cfg, data, name, count, where, pairs_s, compiled))
-            progress(rows[-1])
-        per_batch = rows[0]["molecules"] / (len(make_loader(cfg, data, "train")) or 1)
-        reference = pyg(data, cfg.model.cutoff, max(1, round(per_batch)), pyg_molecules)
+            row, loader = ours(cfg, data, name, count, where, pairs_s, compiled)
+            rows.append(row)
+            steps[name] = epochs(loader)
+            progress(row)
+        per_batch = rows[0]["molecules"] / (len(loader) or 1)
+        reference, steps[PYG] = stock(
+            data, cfg.model.cutoff, max(1, round(per_batch)), pyg_molecules
+        )
         progress(reference)
+        warm = measure_side_by_side(steps, Timing(warmup=0, steps=1, repeats=WARM_EPOCHS))
+        for row in [*rows, reference]:
+            row["warm_molecules_per_s"] = warm[row["name"]].molecules_per_s
+        del steps, loader
     for row in rows:
         row["vs_pyg_cold"] = ratio(row["cold_molecules_per_s"], reference["cold_molecules_per_s"])
         row["vs_pyg_warm"] = ratio(row["warm_molecules_per_s"], reference["warm_molecules_per_s"])
@@ -204,8 +199,9 @@ def run_loader(
         f"packs per batch) on {len(data.split['train'])} training molecules of {store}.",
         f"Cold = radius-pair build of a fresh store copy ({pairs_s:.1f} s, paid once per store "
         "and cutoff) + reading the store into feed arrays + the first epoch (which counts "
-        f"every batch's molecules); warm = the median of the next {WARM_EPOCHS} epochs, "
-        "iterating the loader alone (every epoch holds every training molecule once).",
+        f"every batch's molecules); warm = the median of {WARM_EPOCHS} rounds in which every "
+        "mode and PyG run their next epoch in turn, iterating the loader alone (every epoch "
+        "holds every training molecule once).",
         "workers = background threads assembling chunks of batches ahead (no processes).",
         "CPU batches are filled by numba's compiled loop"
         + (
@@ -219,8 +215,9 @@ def run_loader(
         f"{max(1, round(per_batch))} per batch (ours' mean), radius graph per molecule by "
         "schnet_ipu.data.radius_edges as a transform (torch-cluster is not installed).",
         "feed_state_mb: the feed arrays plus the chunk memory kept for reuse (the chunks in "
-        "flight, where none is kept); rss_mb: this process after "
-        "the mode; peak_rss_mb: the whole run (prepare_data and PyG included).",
+        "flight, where none is kept); rss_mb: this process after the mode's cold epoch "
+        "(earlier modes' loaders still held); peak_rss_mb: the whole run (prepare_data and "
+        "PyG included).",
     ]
     return new_report("loader", [*rows, reference], ratios, notes)
 

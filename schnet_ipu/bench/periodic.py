@@ -1,27 +1,25 @@
 """Periodic systems: neighbour-list builders side by side, and periodic against molecular steps.
 
-    python -m schnet_ipu.bench.periodic [--frames 100000] [--compare 300] [--steps 20]
+    python -m schnet_ipu.bench periodic [--quick]
 
-1. Neighbour lists. ``--frames`` frames of 32 atoms (2x2x2 conventional fcc cells of Cu,
-   a = 3.6 A, each under a random symmetric strain of up to 3% and rattled by 0.05 A) are
-   written to a store, and the periodic pairs file at 5 A is built from it
-   (:func:`~schnet_ipu.data.periodic_pairs.build_periodic_pairs`: vesin, canonical half
-   list, int8 shifts). The first ``--compare`` frames are then listed frame by frame by
-   vesin, ``ase.neighborlist.neighbor_list`` and ``matscipy.neighbours.neighbour_list``
-   ("ijS", full lists), interleaved in rounds, and each is extrapolated to ``--frames``.
+1. Neighbour lists. ``frames`` (100,000; quick 5,000) frames of 32 atoms (2x2x2
+   conventional fcc cells of Cu, a = 3.6 A, each under a random symmetric strain of up to 3%
+   and rattled by 0.05 A) are written to a store, and the periodic pairs file at 5 A is built
+   from it (:func:`~schnet_ipu.data.periodic_pairs.build_periodic_pairs`: vesin, canonical
+   half list, int8 shifts). The first ``compare`` (300; quick 100) frames are then listed frame by
+   frame by vesin, ``ase.neighborlist.neighbor_list`` and ``matscipy.neighbours.neighbour_list``
+   ("ijS", full lists), interleaved in rounds, and each is extrapolated to ``frames``.
 2. Step ratio. Batches of those frames (tuple packing) are trained on (energy + forces,
    SchNet 64/64/3, one thread) as they are (periodic: shifts and cells) and with
    ``edge_shift`` and ``cell`` removed (molecular: the same atoms, edges and shapes), in
-   interleaved rounds; prints the median milliseconds per step and their ratio.
+   interleaved rounds of ``steps`` (20; quick 10) steps: the median milliseconds per step
+   and their ratio.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
-import statistics
-import sys
+import itertools
 import tempfile
 import time
 from pathlib import Path
@@ -29,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from schnet_ipu.bench.common import Timing, measure_side_by_side, new_report
 from schnet_ipu.data import MoleculeStore, edge_counts, write_store
 from schnet_ipu.data.periodic_pairs import build_periodic_pairs
 from schnet_ipu.loader import Layout, PackedDataset, PackedLoader
@@ -75,14 +74,15 @@ def neighbour_lists(pos: np.ndarray, cells: np.ndarray, rounds: int = 3) -> dict
     counts = {name: len(build(frames[0])[0]) for name, build in builders.items()}
     if len(set(counts.values())) != 1:
         raise RuntimeError(f"the libraries disagree on frame 0's pairs: {counts}")
-    times: dict[str, list[float]] = {name: [] for name in builders}
-    for _ in range(rounds):
-        for name, build in builders.items():
-            start = time.perf_counter()
-            for atoms in frames:
-                build(atoms)
-            times[name].append((time.perf_counter() - start) / len(frames))
-    return {name: statistics.median(t) for name, t in times.items()}
+
+    def every_frame(build) -> int:
+        for atoms in frames:
+            build(atoms)
+        return len(frames)
+
+    steps = {name: (lambda build=build: every_frame(build)) for name, build in builders.items()}
+    rates = measure_side_by_side(steps, Timing(warmup=0, steps=1, repeats=rounds))
+    return {name: rate.step_seconds / len(frames) for name, rate in rates.items()}
 
 
 def step_times(store: MoleculeStore, steps: int, rounds: int = 5) -> dict[str, float]:
@@ -101,68 +101,73 @@ def step_times(store: MoleculeStore, steps: int, rounds: int = 5) -> dict[str, f
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     loss_fn = EnergyForceTask(TargetTransform((0.0,) * 119, 1.0), 1.0, 1.0).loss
 
-    def train(batches) -> float:
-        start = time.perf_counter()
-        for batch in batches:
+    def train(batches: list):
+        calls = itertools.cycle(batches)
+
+        def step() -> int:
             optimizer.zero_grad()
-            loss_fn(model, batch).backward()
+            loss_fn(model, next(calls)).backward()
             optimizer.step()
-        return 1000 * (time.perf_counter() - start) / len(batches)
+            return 1
 
-    train(periodic[:2])  # warm-up
-    train(molecular[:2])
-    times: dict[str, list[float]] = {"periodic": [], "molecular": []}
-    for _ in range(rounds):
-        times["periodic"].append(train(periodic))
-        times["molecular"].append(train(molecular))
-    return {name: statistics.median(t) for name, t in times.items()}
+        return step
+
+    steps = {"periodic": train(periodic), "molecular": train(molecular)}
+    rates = measure_side_by_side(steps, Timing(warmup=2, steps=len(periodic), repeats=rounds))
+    return {name: 1000 * rate.step_seconds for name, rate in rates.items()}
 
 
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m schnet_ipu.bench.periodic")
-    parser.add_argument("--frames", type=int, default=100_000)
-    parser.add_argument("--compare", type=int, default=300, help="frames per library")
-    parser.add_argument("--steps", type=int, default=20, help="training steps per round")
-    args = parser.parse_args(argv)
-    pos, cells = fcc_frames(args.frames)
-    report: dict = {"frames": args.frames, "atoms_per_frame": 32, "cutoff": CUTOFF}
+COLUMNS = ["name", "full_list_s_per_frame", "ratio_to_vesin", "step_ms"]
+PLOT = ("name", "ratio_to_vesin", "seconds per full neighbour list / vesin's")
+
+
+def copper_store(path: Path, pos: np.ndarray, cells: np.ndarray, forces: bool = False):
+    """The frames as a store (energies and, with ``forces``, forces zero)."""
+    count = len(pos)
+    zeros = {"forces": np.zeros_like(pos)} if forces else {}
+    energy = {"energy": np.zeros(count)}
+    pbc = np.ones((count, 3), bool)
+    path = write_store(path, np.full(pos.shape[:2], 29), pos, energy, {"energy": "eV"},
+                       cell=cells, pbc=pbc, **zeros)  # fmt: skip
+    return MoleculeStore(path)
+
+
+def run(quick: bool, store: str | Path) -> dict:
+    """The suite; ``store`` is the QM9 store of the other suites, unused here."""
+    return run_periodic(5000, 100, 10) if quick else run_periodic()
+
+
+def run_periodic(
+    frames: int = 100_000, compare: int = 300, steps: int = 20, trained: int = 2000
+) -> dict:
+    """See the module docstring; ``trained``: the frames batched for the step ratio."""
+    pos, cells = fcc_frames(frames)
+    facts: dict = {"frames": frames, "atoms_per_frame": 32, "cutoff": CUTOFF}
     with tempfile.TemporaryDirectory() as folder:
-        path = write_store(
-            Path(folder) / "fcc.h5",
-            np.full(pos.shape[:2], 29),
-            pos,
-            {"energy": np.zeros(args.frames)},
-            {"energy": "eV"},
-            cell=cells,
-            pbc=np.ones((args.frames, 3), bool),
-        )
-        store = MoleculeStore(path)
+        store = copper_store(Path(folder) / "fcc.h5", pos, cells)
         start = time.perf_counter()
         pairs = build_periodic_pairs(store, CUTOFF)
-        report["pairs_file_build_s"] = time.perf_counter() - start
-        report["pairs_per_frame"] = float(pairs.counts.mean())
-        per_frame = neighbour_lists(pos[: args.compare], cells[: args.compare])
-        report["full_list_s_per_frame"] = per_frame
-        report["full_list_s_extrapolated"] = {k: v * args.frames for k, v in per_frame.items()}
-        report["ratio_to_vesin"] = {k: v / per_frame["vesin"] for k, v in per_frame.items()}
-        small = MoleculeStore(
-            write_store(
-                Path(folder) / "small.h5",
-                np.full((2000, 32), 29),
-                pos[:2000],
-                {"energy": np.zeros(2000)},
-                {"energy": "eV"},
-                forces=np.zeros_like(pos[:2000]),
-                cell=cells[:2000],
-                pbc=np.ones((2000, 3), bool),
-            )
-        )
-        steps = step_times(small, args.steps)
-    report["step_ms"] = steps
-    report["periodic_over_molecular"] = steps["periodic"] / steps["molecular"]
-    print(json.dumps(report, indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+        facts["pairs_file_build_s"] = time.perf_counter() - start
+        facts["pairs_per_frame"] = float(pairs.counts.mean())
+        per_frame = neighbour_lists(pos[:compare], cells[:compare])
+        facts["full_list_s_per_frame"] = per_frame
+        facts["full_list_s_extrapolated"] = {k: v * frames for k, v in per_frame.items()}
+        facts["ratio_to_vesin"] = {k: v / per_frame["vesin"] for k, v in per_frame.items()}
+        small = copper_store(Path(folder) / "small.h5", pos[:trained], cells[:trained], True)
+        step_ms = step_times(small, steps)
+    facts["step_ms"] = step_ms
+    facts["periodic_over_molecular"] = step_ms["periodic"] / step_ms["molecular"]
+    rows = [
+        {"name": k, "full_list_s_per_frame": v, "ratio_to_vesin": facts["ratio_to_vesin"][k]}
+        for k, v in per_frame.items()
+    ]
+    rows += [{"name": f"{name} step", "step_ms": ms} for name, ms in step_ms.items()]
+    ratios = {"periodic_over_molecular": facts["periodic_over_molecular"]}
+    notes = [
+        f"{frames} frames of 32 strained, rattled fcc Cu atoms, cutoff {CUTOFF} A; full lists "
+        f"of the first {compare} frames per library, 3 interleaved rounds; training steps "
+        f"(energy + forces, SchNet 64/64/3, one thread): {steps} per round, 5 rounds.",
+    ]
+    report = new_report("periodic", rows, ratios, notes)
+    report.update(facts)  # the keys of docs/benchmarks/periodic-cpu.json
+    return report

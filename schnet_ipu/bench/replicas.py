@@ -1,97 +1,74 @@
-"""Training rates of configs with R data-parallel replicas (gloo processes on CPU).
+"""The one replica runner: R spawned processes (a gloo group on CPU) that set up their
+variants once, then run one of them on request from this process, all R in lockstep.
 
-One launch of R processes times a list of jobs in turn (the data of each graph and packing
-is prepared once per process); each replica reads its share of the packed batches and
-trains through ``TorchBackend.train_call``, and the replicas' rates are summed.
+So a replicated variant is timed by the same interleaved timer as the in-process ones (while
+the others run, the replicas wait idle on a pipe), and a measurement that runs inside the
+group (the balance suite's epochs) is one request whose answer is every rank's result.
 """
 
 from __future__ import annotations
 
-import json
-import tempfile
-from dataclasses import dataclass, field
-from pathlib import Path
+import contextlib
+from typing import Any, Callable
 
-from schnet_ipu.backends import init_replica, launch_replicas
-from schnet_ipu.backends.distributed import shutdown_replica
-from schnet_ipu.bench.common import (
-    Timing,
-    bench_config,
-    make_trainer,
-    measure_side_by_side,
-    packs_for,
-    training_step,
-)
-from schnet_ipu.config import ModelConfig
-from schnet_ipu.pipeline import PreparedData, make_loader, prepare_data
+import torch.multiprocessing as mp
+
+from schnet_ipu.backends.distributed import shutdown_replica, spawn_replicas
+
+# setup(rank, world, *args) -> (facts for the report, name -> call), run in every replica
+Setup = Callable[..., "tuple[Any, dict[str, Callable[[], Any]]]"]
 
 
-@dataclass
-class TrainJob:
-    """One configuration to time: the sample, model size, timing and config overrides."""
+class Replicas:
+    """``count`` replica processes running ``setup(rank, count, *args)``; ``facts`` holds
+    what each rank's setup reported, :meth:`call` runs one of its calls on every rank."""
 
-    store: str
-    sample: int
-    size: ModelConfig
-    timing: Timing  # the first job's timing applies to every job of a launch
-    overrides: list[str] = field(default_factory=list)
-    batch_molecules: int = 32  # per replica and optimiser step, about
-    batch_knn: bool = False  # knn searched over the whole batch, not block-diagonally per pack
+    def __init__(self, count: int, setup: Setup, *args: object) -> None:
+        ends = [mp.get_context("spawn").Pipe() for _ in range(count)]
+        self.conns = [parent for parent, _ in ends]
+        self.context = spawn_replicas(_serve, count, [child for _, child in ends], setup, args)
+        self.facts = [self._receive(conn) for conn in self.conns]  # every replica is ready
+
+    def call(self, name: str) -> list:
+        """Run ``name`` on every replica; their answers by rank."""
+        for conn in self.conns:
+            conn.send(name)
+        return [self._receive(conn) for conn in self.conns]
+
+    def step(self, name: str) -> Callable[[], int]:
+        """A timer step: ``name`` on every replica, the molecules they trained together."""
+        return lambda: sum(self.call(name))
+
+    def close(self) -> None:
+        """Stop the replicas; re-raises a replica's error."""
+        for conn in self.conns:
+            with contextlib.suppress(OSError):  # a replica that is gone: join reports why
+                conn.send(None)
+        while not self.context.join():
+            pass
+
+    def __enter__(self) -> Replicas:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _receive(self, conn):
+        while not conn.poll(0.5):
+            if self.context.join(timeout=0):  # raises when a replica failed
+                raise RuntimeError("the replicas exited before answering")
+        return conn.recv()
 
 
-def train_rates(jobs: list[TrainJob], replicas: int) -> list[dict]:
-    """Per job: summed molecules/s, slowest replica's step time, collectives per step."""
-    with tempfile.TemporaryDirectory() as tmp:
-        launch_replicas(_replica, replicas, jobs, replicas, tmp)
-        rows = []
-        for i in range(len(jobs)):
-            files = [Path(tmp, f"job{i}_rank{r}.json") for r in range(replicas)]
-            ranks = [json.loads(f.read_text()) for f in files]
-            rows.append(
-                {
-                    "molecules_per_s": sum(r["molecules_per_s"] for r in ranks),
-                    "step_ms": max(r["step_ms"] for r in ranks),
-                    "molecules_per_step": sum(r["molecules_per_step"] for r in ranks),
-                    "collectives_per_step": ranks[0]["collectives_per_step"],
-                    "packs_per_batch": ranks[0]["packs_per_batch"],
-                }
-            )
-    return rows
-
-
-def _replica(rank: int, jobs: list[TrainJob], replicas: int, out_dir: str) -> None:
-    """Set every job up, then time them side by side (every rank in the same order)."""
-    prepared: dict[tuple, PreparedData] = {}
-    steps, backends, packs = {}, [], []
+def _serve(rank: int, conns: list, setup: Setup, args: tuple) -> None:
+    """Replica ``rank``: set up, report the facts, then answer requests until ``None``."""
+    conn = conns[rank]
     try:
-        for i, job in enumerate(jobs):
-            cfg = bench_config(
-                job.store, job.sample, job.size, [*job.overrides, f"backend.replicas={replicas}"]
-            )
-            replica = init_replica(cfg.backend, "cpu")
-            key = (cfg.model.graph, cfg.packing.algorithm)
-            if key not in prepared:
-                prepared[key] = prepare_data(cfg)
-            data = prepared[key]
-            cfg.packing.packs_per_batch = packs_for(data, job.batch_molecules)
-            loader = make_loader(cfg, data, "train", replica.rank, replica.world_size)
-            backend = make_trainer(cfg, data, replica)
-            if job.batch_knn:  # one knn block spanning every pack of the batch
-                backend.model.max_nodes_per_pack = (
-                    cfg.packing.packs_per_batch * data.train_plan.max_nodes
-                )
-            steps[i] = training_step(loader, backend)
-            backends.append(backend)
-            packs.append(cfg.packing.packs_per_batch)
-        timing = jobs[0].timing
-        for i, rate in measure_side_by_side(steps, timing).items():
-            record = {
-                "molecules_per_s": rate.molecules_per_s,
-                "step_ms": 1000 * rate.step_seconds,
-                "molecules_per_step": rate.molecules_per_step,
-                "collectives_per_step": backends[i].collectives_per_step,
-                "packs_per_batch": packs[i],
-            }
-            Path(out_dir, f"job{i}_rank{rank}.json").write_text(json.dumps(record))
+        facts, calls = setup(rank, len(conns), *args)
+        conn.send(facts)
+        name = conn.recv()
+        while name is not None:
+            conn.send(calls[name]())
+            name = conn.recv()
     finally:
         shutdown_replica()

@@ -8,54 +8,34 @@ PyG runs ``torch_geometric.nn.models.SchNet`` on a ``torch_geometric.loader.Data
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import torch
-import torch.multiprocessing as mp
 
-from schnet_ipu.backends import init_replica
-from schnet_ipu.backends.distributed import shutdown_replica, spawn_replicas
+from schnet_ipu.bench import pyg
 from schnet_ipu.bench.common import (
     QM9_STORE,
     Timing,
-    bench_config,
-    make_trainer,
     measure_side_by_side,
     new_report,
-    packs_for,
+    our_trainer,
     ratio,
     training_step,
 )
+from schnet_ipu.bench.replicas import Replicas
 from schnet_ipu.config import ModelConfig
-from schnet_ipu.data import radius_edges
-from schnet_ipu.pipeline import PreparedData, make_loader, prepare_data
-from schnet_ipu.task import masked_mse
-
-RADIUS_BUILDER = "schnet_ipu.data.radius_edges (pure torch, inside the timed step)"
+from schnet_ipu.pipeline import PreparedData
 
 PACKED = {"packed radius+tuple": ("radius", "tuple"), "packed knn+lpfhp": ("knn", "lpfhp")}
 COMPILED = " compiled"  # name suffix of variants whose step runs through torch.compile
 TABLE = " filter=table"  # name suffix of variants with the tabulated filter (model.filter)
-PYG = "stock PyG SchNet"
+PYG = pyg.NAME
 
 COLUMNS = ["name", "molecules_per_s", "step_ms", "molecules_per_step", "replicas",
            "threads_per_replica", "atoms_per_step",
            "node_efficiency", "edge_efficiency", "graph"]  # fmt: skip
 PLOT = ("name", "molecules_per_s", "training molecules/s")
-
-
-class RadiusInteractionGraph:
-    """PyG ``interaction_graph``: radius edges per molecule and their lengths, in plain torch."""
-
-    def __init__(self, cutoff: float) -> None:
-        self.cutoff = cutoff
-
-    def __call__(self, pos: torch.Tensor, batch: torch.Tensor):
-        edge_index = radius_edges(pos, self.cutoff, batch)
-        return edge_index, (pos[edge_index[0]] - pos[edge_index[1]]).norm(dim=-1)
 
 
 def ours(
@@ -66,18 +46,12 @@ def ours(
     batch_molecules: int = 32,
     replicas: int = 1,
 ) -> tuple[dict, PreparedData, Callable[[], int]]:
-    """One of our configurations: its description, its data and its training step (the
-    loader's next batches through ``TorchBackend.train_call``).
-
-    ``replicas`` > 1: this process is one of R data-parallel replicas (it joins their group
-    here) training about ``batch_molecules / R`` molecules per optimiser step, so that the
-    replicas together take about ``batch_molecules``.
-    """
-    cfg = bench_config(store, sample, size, [*overrides, f"backend.replicas={replicas}"])
-    replica = init_replica(cfg.backend, "cpu")
-    data = prepare_data(cfg)
-    cfg.packing.packs_per_batch = packs_for(data, batch_molecules / replicas)
-    loader = make_loader(cfg, data, "train", replica.rank, replica.world_size)
+    """One of our configurations (:func:`~schnet_ipu.bench.common.our_trainer`): its
+    description, its data and its training step (the loader's next batches through
+    ``TorchBackend.train_call``)."""
+    cfg, data, loader, backend = our_trainer(
+        store, sample, size, overrides, batch_molecules, replicas
+    )
     plan = data.train_plan
     row = {
         "replicas": replicas,
@@ -91,114 +65,35 @@ def ours(
         "edge_efficiency": plan.edge_efficiency,
         "workers": cfg.loader.workers,
     }
-    return row, data, training_step(loader, make_trainer(cfg, data, replica))
+    return row, data, training_step(loader, backend)
 
 
-class ReplicatedStep:
-    """Our training step run by R replica processes in lockstep, driven from this process.
-
-    Each call asks every replica for one host call (which ends in the merged all-reduce) and
-    returns the molecules they trained together, so :func:`measure_side_by_side` can time it
-    in turn with the in-process variants: while they run, the replicas wait idle on a pipe.
-    """
-
-    def __init__(self, replicas: int, *setup: object) -> None:
-        """``setup``: the arguments of :func:`ours` after ``replicas`` is removed."""
-        pipe = mp.get_context("spawn").Pipe
-        ends = [pipe() for _ in range(replicas)]
-        self.conns = [parent for parent, _ in ends]
-        self.context = spawn_replicas(_serve_replica, replicas, [c for _, c in ends], setup)
-        rows = [self._receive(conn) for conn in self.conns]  # every replica reports ready
-        self.row = rows[0]
-
-    def __call__(self) -> int:
-        for conn in self.conns:
-            conn.send("step")
-        return sum(self._receive(conn) for conn in self.conns)
-
-    def close(self) -> None:
-        """Stop the replicas; re-raises a replica's error."""
-        for conn in self.conns:
-            with contextlib.suppress(OSError):  # a replica that is gone: join reports why
-                conn.send("stop")
-        while not self.context.join():
-            pass
-
-    def _receive(self, conn):
-        while not conn.poll(0.5):
-            if self.context.join(timeout=0):  # raises when a replica failed
-                raise RuntimeError("the replicas exited before answering")
-        return conn.recv()
+def replica_setup(rank: int, world: int, setups: dict[str, tuple]) -> tuple[dict, dict]:
+    """Every replicated variant in one replica (:class:`~schnet_ipu.bench.replicas.Replicas`):
+    ``setups`` maps a name to the arguments of :func:`ours` before ``replicas``."""
+    facts, calls = {}, {}
+    for name, setup in setups.items():
+        facts[name], _, calls[name] = ours(*setup, replicas=world)
+    return facts, calls
 
 
-def _serve_replica(rank: int, conns: list, setup: tuple) -> None:
-    """Replica ``rank`` of a :class:`ReplicatedStep`: set up, then one step per request."""
-    conn = conns[rank]
-    try:
-        store, sample, size, overrides, batch_molecules = setup
-        replicas = len(conns)
-        row, _, step = ours(store, sample, size, overrides, batch_molecules, replicas)
-        conn.send(row)
-        while conn.recv() == "step":
-            conn.send(step())
-    finally:
-        shutdown_replica()
-
-
-def pyg_items(data: PreparedData) -> list:
-    """The training molecules as PyG ``Data`` objects (z, pos, y), held in memory."""
-    from torch_geometric.data import Data
-
-    items = []
-    for index in data.split["train"].tolist():
-        z, pos = data.store.molecule(index)
-        y = torch.tensor([data.targets[index]], dtype=torch.float32)
-        items.append(Data(z=torch.from_numpy(z.astype(np.int64)), pos=torch.from_numpy(pos), y=y))
-    return items
-
-
-def pyg(
-    data: PreparedData,
-    size: ModelConfig,
-    batch_size: int = 32,
-    device: str = "cpu",
-    items: list | None = None,
-) -> Callable[[], int]:
-    """Training step of stock PyG SchNet, out of the box, on the same molecules, targets and
-    loss as ours (``items`` from :func:`pyg_items`, built here if not given)."""
-    from torch_geometric.loader import DataLoader
-    from torch_geometric.nn.models import SchNet as PygSchNet
-
-    loader = DataLoader(items or pyg_items(data), batch_size=batch_size, shuffle=True)
-    torch.manual_seed(0)
-    model = PygSchNet(
-        hidden_channels=size.hidden_channels,
-        num_filters=size.num_filters,
-        num_interactions=size.num_interactions,
-        num_gaussians=size.num_gaussians,
-        cutoff=size.cutoff,
-        interaction_graph=RadiusInteractionGraph(size.cutoff),
-    ).to(device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    scale = data.residual_std
-
-    def batches():
-        while True:
-            yield from loader
-
-    stream = batches()
-
-    def step() -> int:
-        batch = next(stream).to(device)
-        optimizer.zero_grad(set_to_none=True)
-        pred = model(batch.z, batch.pos, batch.batch).view(-1)
-        mask = torch.ones_like(batch.y, dtype=torch.bool)
-        masked_mse(pred, batch.y, mask, scale).backward()
-        optimizer.step()
-        return batch.num_graphs
-
-    model.train()
-    return step
+def variants(padded: tuple[str, ...], compile: bool, table: bool) -> list[tuple]:
+    """(name, graph, packing, compiled, filter) of every in-process variant of ours."""
+    filters = ("exact", "table") if table else ("exact",)
+    rows = [
+        (name + ("" if filter_ == "exact" else TABLE), graph, packing, False, filter_)
+        for filter_ in filters
+        for name, (graph, packing) in PACKED.items()
+    ]
+    rows += [(f"pad_to_max {g}", g, "pad_to_max", False, "exact") for g in padded]
+    if compile:
+        rows += [
+            ("packed radius+tuple" + COMPILED, "radius", "tuple", True, "exact"),
+            ("pad_to_max radius" + COMPILED, "radius", "pad_to_max", True, "exact"),
+        ]
+        if table:
+            rows += [("packed radius+tuple" + TABLE + COMPILED, "radius", "tuple", True, "table")]
+    return rows
 
 
 def run_throughput(
@@ -221,35 +116,18 @@ def run_throughput(
     ``torch.compile`` (compilation happens in the excluded warm-up; stock PyG stays eager).
     ``replicas`` > 1 adds radius+tuple (compiled with ``compile``) as that many data-parallel
     replica processes sharing the host's cores, with about ``batch_molecules`` molecules per
-    optimiser step over all of them (:class:`ReplicatedStep`). ``packed_vs_pyg`` uses the
-    fastest packed variant; ``single_process_vs_pyg`` the fastest one in one process, like
-    stock PyG; and ``packed_vs_padded`` compares single-process runs, so it measures the
-    batching alone. ``table`` adds the packed variants (and the compiled and replicated
-    radius+tuple ones) with ``model.filter=table`` (name suffix `` filter=table``).
+    optimiser step over all of them. ``packed_vs_pyg`` uses the fastest packed variant;
+    ``single_process_vs_pyg`` the fastest one in one process, like stock PyG; and
+    ``packed_vs_padded`` compares single-process runs, so it measures the batching alone.
+    ``table`` adds the packed variants (and the compiled and replicated radius+tuple ones)
+    with ``model.filter=table`` (name suffix `` filter=table``).
     """
     size = size or ModelConfig()
     timing = timing or Timing(warmup=5, steps=10, repeats=10)
     results: dict[str, dict] = {}
     steps: dict[str, Callable[[], int]] = {}
-    data = None
-    filters = ("exact", "table") if table else ("exact",)
-    variants = [
-        (name + ("" if filter_ == "exact" else TABLE), graph, packing, False, filter_)
-        for filter_ in filters
-        for name, (graph, packing) in PACKED.items()
-    ]
-    variants += [(f"pad_to_max {g}", g, "pad_to_max", False, "exact") for g in padded]
-    if compile:
-        variants += [
-            ("packed radius+tuple" + COMPILED, "radius", "tuple", True, "exact"),
-            ("pad_to_max radius" + COMPILED, "radius", "pad_to_max", True, "exact"),
-        ]
-        if table:
-            variants += [
-                ("packed radius+tuple" + TABLE + COMPILED, "radius", "tuple", True, "table")
-            ]
 
-    def overrides(graph: str, packing: str, compiled: bool, filter_: str = "exact") -> list[str]:
+    def overrides(graph: str, packing: str, compiled: bool, filter_: str) -> list[str]:
         return [
             f"model.graph={graph}",
             f"packing.algorithm={packing}",
@@ -259,27 +137,30 @@ def run_throughput(
             f"model.filter={filter_}",
         ]
 
-    for name, graph, packing, compiled, filter_ in variants:
+    data = None
+    for name, graph, packing, compiled, filter_ in variants(padded, compile, table):
         setup = overrides(graph, packing, compiled, filter_)
         row, data, steps[name] = ours(store, sample, size, setup, batch_molecules)
         results[name] = {"name": name, "graph": graph, "packing": packing, **row}
-    steps[PYG] = pyg(data, size, batch_molecules)
-    results[PYG] = {"name": PYG, "graph": f"radius ({RADIUS_BUILDER})",
+    steps[PYG] = pyg.training_step(data, size, batch_molecules)
+    results[PYG] = {"name": PYG, "graph": f"radius ({pyg.RADIUS_BUILDER})",
                     "packing": "PyG DataLoader", "workers": 0, "replicas": 1,
                     "threads_per_replica": torch.get_num_threads()}  # fmt: skip
-    replicated: list[ReplicatedStep] = []
-    for filter_ in filters if replicas > 1 else ():
+    replicated = {}
+    for filter_ in (("exact", "table") if table else ("exact",)) if replicas > 1 else ():
         name = f"packed radius+tuple {replicas} replicas" + (TABLE if filter_ == "table" else "")
         name += COMPILED if compile else ""
         setup = overrides("radius", "tuple", compile, filter_)
-        group = ReplicatedStep(replicas, store, sample, size, setup, batch_molecules)
-        replicated.append(group)
-        steps[name] = group
-        results[name] = {"name": name, "graph": "radius", "packing": "tuple", **group.row}
+        replicated[name] = (store, sample, size, setup, batch_molecules)
+    group = Replicas(replicas, replica_setup, replicated) if replicated else None
     try:
+        for name in replicated:
+            steps[name] = group.step(name)
+            results[name] = {"name": name, "graph": "radius", "packing": "tuple",
+                             **group.facts[0][name]}  # fmt: skip
         measured = measure_side_by_side(steps, timing)
     finally:
-        for group in replicated:
+        if group is not None:
             group.close()
     for name, rate in measured.items():
         results[name].update(
@@ -288,6 +169,37 @@ def run_throughput(
             molecules_per_step=rate.molecules_per_step,
             repeats_molecules_per_s=rate.repeats,
         )
+    ratios = compare(results)
+    notes = [
+        f"{len(data.split['train'])} QM9 training molecules (fixed random sample), about "
+        f"{batch_molecules} molecules per optimiser step, Adam lr 1e-3, standardised MSE. "
+        "Ours uses the trainer's optimiser (torch's fused Adam kernel); stock PyG the "
+        "default torch.optim.Adam, as a PyG user gets out of the box.",
+        f"SchNet {size.hidden_channels} features, {size.num_interactions} interactions, "
+        f"{size.num_gaussians} Gaussians, cutoff {size.cutoff}; knn k={size.k}.",
+        f"Timing: {timing.warmup} warm-up steps excluded, then {timing.repeats} rounds in "
+        f"which each variant runs a window of {timing.steps} steps in turn (so load changes "
+        "hit all alike); medians over the rounds; loading is inside the timed windows. "
+        "*_per_round: the ratio within each round, to show the spread.",
+        f"Stock PyG radius graph: {pyg.RADIUS_BUILDER}; torch-cluster is not installed.",
+        "Replicated variant: R processes with 1/R of the torch threads each, each "
+        f"training about {batch_molecules}/R molecules per step; the merged gradient is "
+        "summed through shared memory (same-host CPU replicas), so "
+        "an optimiser step sees about as many molecules as every other variant. The other "
+        "variants and stock PyG run in one process with all torch threads. Packs hold whole "
+        "molecules, so ours trains 33-35 molecules per step where PyG trains 32 "
+        "(molecules_per_step).",
+        "Ours: PackedLoader (batches gathered a chunk at a time from the store's flat arrays "
+        f"and its pairs file; {workers} background thread(s)) feeding TorchBackend.train_call. "
+        "Both hold the training molecules in memory before timing: PyG as its list of Data "
+        "objects, ours as the feed arrays (see the loader suite).",
+    ]
+    return new_report("throughput", list(results.values()), ratios, notes)
+
+
+def compare(results: dict[str, dict]) -> dict:
+    """The report's ratios: best packed (and best in one process) over PyG and padding,
+    within each round too, and every packed variant over PyG and its pad-to-max twin."""
     rate = {name: row["molecules_per_s"] for name, row in results.items()}
     packed = [name for name in rate if name.startswith("packed")]
     exact = [name for name in packed if TABLE not in name]
@@ -295,9 +207,8 @@ def run_throughput(
     single = max((n for n in packed if results[n].get("replicas", 1) == 1), key=rate.get)
     # the fairest padded reference: the fastest pad-to-max run of the same graph, compiled
     # or not (compiling does not always pay for padded batches), else the fastest padded one
-    graph = results[single]["graph"]
     padded_runs = [name for name in rate if name.startswith("pad_to_max")]
-    same_graph = [name for name in padded_runs if results[name]["graph"] == graph]
+    same_graph = [n for n in padded_runs if results[n]["graph"] == results[single]["graph"]]
     reference = max(same_graph or padded_runs, key=rate.get)
     ratios = {
         "best_exact": max(exact, key=rate.get),
@@ -315,40 +226,14 @@ def run_throughput(
         ("single_process_vs_pyg", single, PYG),
         ("packed_vs_padded", single, reference),
     ):
-        ratios[f"{key}_per_round"] = [
-            a / b for a, b in zip(rounds[mine], rounds[other], strict=True)
-        ]
+        ratios[f"{key}_per_round"] = [a / b for a, b in zip(rounds[mine], rounds[other])]
     for name in packed:
-        key = name.removeprefix("packed ").replace("+", "_").replace(" ", "_")
+        key = name[len("packed ") :].replace("+", "_").replace(" ", "_")
         ratios[f"{key}_vs_pyg"] = ratio(rate[name], rate[PYG])
         twin = name.replace("packed", "pad_to_max", 1).replace("+tuple", "").replace("+lpfhp", "")
         if twin in rate:
             ratios[f"{key}_vs_{twin.replace(' ', '_')}"] = ratio(rate[name], rate[twin])
-    notes = [
-        f"{len(data.split['train'])} QM9 training molecules (fixed random sample), about "
-        f"{batch_molecules} molecules per optimiser step, Adam lr 1e-3, standardised MSE. "
-        "Ours uses the trainer's optimiser (torch's fused Adam kernel); stock PyG the "
-        "default torch.optim.Adam, as a PyG user gets out of the box.",
-        f"SchNet {size.hidden_channels} features, {size.num_interactions} interactions, "
-        f"{size.num_gaussians} Gaussians, cutoff {size.cutoff}; knn k={size.k}.",
-        f"Timing: {timing.warmup} warm-up steps excluded, then {timing.repeats} rounds in "
-        f"which each variant runs a window of {timing.steps} steps in turn (so load changes "
-        "hit all alike); medians over the rounds; loading is inside the timed windows. "
-        "*_per_round: the ratio within each round, to show the spread.",
-        f"Stock PyG radius graph: {RADIUS_BUILDER}; torch-cluster is not installed.",
-        "Replicated variant: R processes with 1/R of the torch threads each, each "
-        f"training about {batch_molecules}/R molecules per step; the merged gradient is "
-        "summed through shared memory (same-host CPU replicas), so "
-        "an optimiser step sees about as many molecules as every other variant. The other "
-        "variants and stock PyG run in one process with all torch threads. Packs hold whole "
-        "molecules, so ours trains 33-35 molecules per step where PyG trains 32 "
-        "(molecules_per_step).",
-        "Ours: PackedLoader (batches gathered a chunk at a time from the store's flat arrays "
-        f"and its pairs file; {workers} background thread(s)) feeding TorchBackend.train_call. "
-        "Both hold the training molecules in memory before timing: PyG as its list of Data "
-        "objects, ours as the feed arrays (see the loader suite).",
-    ]
-    return new_report("throughput", list(results.values()), ratios, notes)
+    return ratios
 
 
 def run(quick: bool, store: str | Path) -> dict:

@@ -20,7 +20,7 @@ File layout (M frames, P pairs)::
 As for radius pairs (:mod:`schnet_ipu.data.pairs`) a file whose version, store stamp, sizes,
 cutoff or checksum disagree, or that cannot be read, is rebuilt with a warning.
 
-Why vesin (``python -m schnet_ipu.bench periodic_pairs`` measures it against
+Why vesin (``python -m schnet_ipu.bench periodic`` measures it against
 ``ase.neighborlist.neighbor_list`` and ``matscipy.neighbours.neighbour_list`` on the same
 frames): it handles mixed periodicity and cells smaller than the cutoff, returns ASE's
 (i, j, S) with a half list, and is the fastest of the three per frame. Its API:

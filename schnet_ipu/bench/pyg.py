@@ -1,0 +1,113 @@
+"""Stock PyG SchNet, the baseline of the throughput, model, loader, gpu and accuracy suites.
+
+``torch_geometric.nn.models.SchNet`` as a PyG user gets it out of the box, on
+``torch_geometric.loader.DataLoader`` batches of ``Data`` objects read from our store. Its
+default radius graph needs torch-cluster, which is not installed, so it is given an
+``interaction_graph`` in pure torch (:class:`RadiusInteractionGraph`, built inside the
+timed step as PyG's own would be).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from schnet_ipu.config import ModelConfig
+from schnet_ipu.data import radius_edges
+from schnet_ipu.pipeline import PreparedData
+from schnet_ipu.task import masked_mse
+
+NAME = "stock PyG SchNet"
+RADIUS_BUILDER = "schnet_ipu.data.radius_edges (pure torch, inside the timed step)"
+
+
+class RadiusInteractionGraph:
+    """PyG ``interaction_graph``: radius edges per molecule and their lengths, in plain torch."""
+
+    def __init__(self, cutoff: float) -> None:
+        self.cutoff = cutoff
+
+    def __call__(self, pos: torch.Tensor, batch: torch.Tensor):
+        edge_index = radius_edges(pos, self.cutoff, batch)
+        return edge_index, (pos[edge_index[0]] - pos[edge_index[1]]).norm(dim=-1)
+
+
+def items(data: PreparedData, split: str = "train", limit: int | None = None) -> list:
+    """A split's molecules (up to ``limit``) as PyG ``Data`` (z, pos, y: the target less the
+    atom references), held in memory."""
+    from torch_geometric.data import Data
+
+    rows = []
+    for index in data.split[split][:limit].tolist():
+        z, pos = data.store.molecule(index)
+        y = torch.tensor([data.targets[index]], dtype=torch.float32)
+        rows.append(Data(z=torch.from_numpy(z.astype(np.int64)), pos=torch.from_numpy(pos), y=y))
+    return rows
+
+
+def schnet(size: ModelConfig, interaction_graph: Callable | None = None, **extra):
+    """PyG's SchNet of our model's size (``extra``: e.g. ``mean``/``std``); its interaction
+    graph defaults to :class:`RadiusInteractionGraph`."""
+    from torch_geometric.nn.models import SchNet
+
+    return SchNet(
+        hidden_channels=size.hidden_channels,
+        num_filters=size.num_filters,
+        num_interactions=size.num_interactions,
+        num_gaussians=size.num_gaussians,
+        cutoff=size.cutoff,
+        interaction_graph=interaction_graph or RadiusInteractionGraph(size.cutoff),
+        **extra,
+    )
+
+
+def training_step(
+    data: PreparedData,
+    size: ModelConfig,
+    batch_size: int = 32,
+    device: str = "cpu",
+    train_items: list | None = None,
+) -> Callable[[], int]:
+    """One training step of stock PyG SchNet on the same molecules, targets and standardised
+    loss as ours, torch's default Adam at 1e-3 (``train_items`` from :func:`items`, read here
+    when not given); returns the molecules trained."""
+    from torch_geometric.loader import DataLoader
+
+    loader = DataLoader(train_items or items(data), batch_size=batch_size, shuffle=True)
+    torch.manual_seed(0)
+    model = schnet(size).to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    scale = data.residual_std
+
+    def batches():
+        while True:
+            yield from loader
+
+    stream = batches()
+
+    def step() -> int:
+        batch = next(stream).to(device)
+        optimizer.zero_grad(set_to_none=True)
+        pred = model(batch.z, batch.pos, batch.batch).view(-1)
+        mask = torch.ones_like(batch.y, dtype=torch.bool)
+        masked_mse(pred, batch.y, mask, scale).backward()
+        optimizer.step()
+        return batch.num_graphs
+
+    model.train()
+    return step
+
+
+def mae(model: torch.nn.Module, rows: list) -> float:
+    """Mean absolute error of ``model`` on ``rows`` (PyG ``Data``), batches of 128."""
+    from torch_geometric.loader import DataLoader
+
+    model.eval()
+    errors = []
+    with torch.no_grad():
+        for batch in DataLoader(rows, batch_size=128):
+            errors.append((model(batch.z, batch.pos, batch.batch) - batch.y.view(-1, 1)).abs())
+    model.train()
+    return float(torch.cat(errors).mean())
