@@ -10,17 +10,13 @@ import pytest
 import torch
 from batches import assert_same_batches, epoch_batches
 
+from schnet_ipu.chunk import OutputBuffers
+from schnet_ipu.collate import PackMolecule, collate
 from schnet_ipu.data import MoleculeStore, edge_counts, import_qm9, write_store
 from schnet_ipu.data.graphs import molecule_pairs
-from schnet_ipu.feed import OutputBuffers
-from schnet_ipu.loader import (
-    Layout,
-    LoaderError,
-    PackedDataset,
-    PackedLoader,
-    PackMolecule,
-    collate,
-)
+from schnet_ipu.epoch_schedule import PackedDataset
+from schnet_ipu.layout import Layout, LoaderError
+from schnet_ipu.loader import PackedLoader
 from schnet_ipu.packing import plan_packing
 
 CUTOFF = 5.0

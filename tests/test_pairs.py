@@ -13,7 +13,7 @@ from schnet_ipu.config import load_config
 from schnet_ipu.data import MoleculeStore, edge_counts, import_qm9, radius_pairs, write_store
 from schnet_ipu.data.graphs import molecule_pairs
 from schnet_ipu.data.pairs import RadiusPairs, build_pairs, pairs_path
-from schnet_ipu.feed import FeedArrays
+from schnet_ipu.feed_arrays import FeedArrays
 from schnet_ipu.pipeline import prepare_data
 
 CUTOFF = 3.0

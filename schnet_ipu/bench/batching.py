@@ -21,7 +21,8 @@ from schnet_ipu.batch import Batch
 from schnet_ipu.bench.common import QM9_STORE, new_report
 from schnet_ipu.config import ModelConfig
 from schnet_ipu.data import MoleculeStore, edge_counts, generate_water, make_split
-from schnet_ipu.loader import Layout, PackedDataset
+from schnet_ipu.epoch_schedule import PackedDataset
+from schnet_ipu.layout import Layout
 from schnet_ipu.model import SchNet
 from schnet_ipu.packing import PackPlan, assign_packs, plan_packing
 from schnet_ipu.packing.baselines import BASELINES, run_baseline

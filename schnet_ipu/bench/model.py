@@ -20,8 +20,9 @@ from torch import Tensor
 
 from schnet_ipu.batch import Batch
 from schnet_ipu.bench.common import new_report
+from schnet_ipu.collate import PackMolecule, collate
 from schnet_ipu.data.graphs import molecule_pairs
-from schnet_ipu.loader import Layout, PackMolecule, collate
+from schnet_ipu.layout import Layout
 from schnet_ipu.model.schnet import SchNet
 from schnet_ipu.packing import assign_packs, plan_packing
 
