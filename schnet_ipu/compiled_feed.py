@@ -1,7 +1,7 @@
 """The CPU feed's compiled loops (numba, when installed): batches, and radius pairs.
 
-:func:`schnet_ipu.feed.assemble` builds a chunk of batches from a few whole-chunk torch ops
-(gathers, cumsums), which is also what runs on a GPU when the data is device-resident. On a
+:func:`schnet_ipu.assembly.assemble` builds a chunk of batches from a few whole-chunk torch
+ops (gathers, cumsums), which is also what runs on a GPU when the data is device-resident. On a
 CPU those ops pass over every edge five times (two run expansions, a gather, an add, the
 write) and the epoch stays memory-bound at ~3x the cost of writing the batches once. Here
 one loop per batch walks its packs and molecules and writes every output entry once: the
@@ -23,7 +23,7 @@ from torch import Tensor
 
 try:
     import numba
-except ImportError:  # the torch program serves instead (schnet_ipu.feed)
+except ImportError:  # the torch program serves instead (schnet_ipu.assembly)
     numba = None
 
 AVAILABLE = numba is not None
@@ -40,7 +40,7 @@ def _fill_chunk(
     z, pos, forces, graph, node_mask, y, graph_mask, molecule_index, edge_index, edge_mask,
     edge_shift, cell, stress, forces_mask, stress_mask,
 ):  # fmt: skip
-    """Fill K batches (the outputs, [K, ...] as :class:`schnet_ipu.feed.Assembled`) from
+    """Fill K batches (the outputs, [K, ...] as :class:`schnet_ipu.chunk.Assembled`) from
     packs given flat: ``molecules`` [T] in pack order, ``pack_lengths`` [K * B].
 
     Sources, M molecules of A atoms: ``z_source`` uint8 [A + 1], ``pos_source`` float32
@@ -58,7 +58,7 @@ def _fill_chunk(
     none (outputs then unused).
     Returns FITS; BAD_MOLECULES for
     an index outside 0..M-1 or pack lengths that do not add up to T (nothing written); or
-    the code of the first limit a pack breaks (the checks of feed.check_packs; nothing past
+    the code of the first limit a pack breaks (the checks of pack_limits.check_packs; nothing past
     a limit is written).
     """
     count, half = len(num_atoms), packs_per_batch * max_edges // 2

@@ -16,6 +16,8 @@ import numpy as np
 import torch
 
 from schnet_ipu.baseline import element_counts, fit_dressed_atoms, predict_dressed_atoms
+from schnet_ipu.batch_layout import Layout
+from schnet_ipu.chunk import OutputBuffers
 from schnet_ipu.config import Config, ConfigError
 from schnet_ipu.data import (
     MoleculeStore,
@@ -25,8 +27,9 @@ from schnet_ipu.data import (
     load_or_make_split,
     radius_pairs,
 )
-from schnet_ipu.feed import FeedArrays, OutputBuffers
-from schnet_ipu.loader import Layout, PackedDataset, PackedLoader
+from schnet_ipu.epoch_schedule import PackedDataset
+from schnet_ipu.feed_arrays import FeedArrays
+from schnet_ipu.loader import PackedLoader
 from schnet_ipu.packing import PackingError, PackPlan, plan_packing
 
 log = logging.getLogger("schnet_ipu")

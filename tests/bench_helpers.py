@@ -9,8 +9,9 @@ import numpy as np
 import torch
 
 from schnet_ipu.batch import Batch
+from schnet_ipu.batch_layout import Layout
+from schnet_ipu.collate import PackMolecule, collate
 from schnet_ipu.data.graphs import molecule_pairs
-from schnet_ipu.loader import Layout, PackMolecule, collate
 from schnet_ipu.packing import assign_packs, plan_packing
 
 Molecule = "tuple[np.ndarray, np.ndarray]"  # z [n] (int), pos [n, 3] (A); string: Python 3.8

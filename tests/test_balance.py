@@ -7,8 +7,10 @@ import itertools
 import numpy as np
 import pytest
 
+from schnet_ipu.batch_layout import Layout
 from schnet_ipu.data import MoleculeStore
-from schnet_ipu.loader import Layout, PackedDataset, PackedLoader
+from schnet_ipu.epoch_schedule import PackedDataset
+from schnet_ipu.loader import PackedLoader
 from schnet_ipu.packing import plan_packing
 from schnet_ipu.packing.balance import (
     balance_batches,

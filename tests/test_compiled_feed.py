@@ -10,17 +10,14 @@ import pytest
 import torch
 from batches import assert_same_batches, epoch_batches
 
-from schnet_ipu import compiled_feed, feed
+from schnet_ipu import compiled_feed
+from schnet_ipu.assembly import assemble
 from schnet_ipu.batch import Batch
+from schnet_ipu.batch_layout import Layout, LoaderError
+from schnet_ipu.collate import PackMolecule, collate
 from schnet_ipu.data import MoleculeStore, edge_counts
-from schnet_ipu.loader import (
-    Layout,
-    LoaderError,
-    PackedDataset,
-    PackedLoader,
-    PackMolecule,
-    collate,
-)
+from schnet_ipu.epoch_schedule import PackedDataset
+from schnet_ipu.loader import PackedLoader
 from schnet_ipu.packing import plan_packing
 
 pytestmark = pytest.mark.skipif(
@@ -84,7 +81,7 @@ def test_a_pack_over_its_edge_limit_is_named_even_with_room_in_the_batch(store):
     lengths = torch.tensor([2] + [0] * (layout.packs_per_batch - 1))  # both in pack 0
     assert layout.packs_per_batch * layout.max_edges >= 2 * (pairs[a] + pairs[b])  # batch room
     with pytest.raises(LoaderError, match=r"pack 0 holds .* edges"):
-        feed.assemble(data.arrays, layout, molecules, lengths, compiled=True)
+        assemble(data.arrays, layout, molecules, lengths, compiled=True)
 
 
 def test_a_molecule_index_outside_the_arrays_is_an_error(store):
@@ -92,7 +89,7 @@ def test_a_molecule_index_outside_the_arrays_is_an_error(store):
     lengths = torch.tensor([1] + [0] * (data.layout.packs_per_batch - 1))
     for bad in (len(store), -1):
         with pytest.raises(LoaderError, match="indices outside"):
-            feed.assemble(data.arrays, data.layout, torch.tensor([bad]), lengths, compiled=True)
+            assemble(data.arrays, data.layout, torch.tensor([bad]), lengths, compiled=True)
 
 
 def test_the_loader_uses_the_loop_when_numba_is_there(store, monkeypatch):

@@ -18,12 +18,13 @@ from ase import Atoms
 from ase.build import bulk, fcc111
 from ase.neighborlist import neighbor_list
 
+from schnet_ipu.batch_layout import Layout
 from schnet_ipu.calculator import SchNetCalculator
 from schnet_ipu.checkpoint import save_checkpoint
+from schnet_ipu.collate import PackMolecule, collate
 from schnet_ipu.config import ModelConfig
 from schnet_ipu.data.periodic_pairs import frame_pairs
 from schnet_ipu.inference import export_model
-from schnet_ipu.loader import Layout, PackMolecule, collate
 from schnet_ipu.model_file import ModelSpec, load_trained
 from schnet_ipu.response import energy_forces_stress
 from schnet_ipu.task import EnergyTask, TargetTransform

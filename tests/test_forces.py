@@ -15,11 +15,12 @@ from ase.calculators.emt import EMT
 from ase.calculators.singlepoint import SinglePointCalculator
 from ase.optimize import BFGS
 
+from schnet_ipu.batch_layout import Layout
+from schnet_ipu.collate import PackMolecule, collate
 from schnet_ipu.config import ConfigError, load_config
 from schnet_ipu.data import MoleculeStore, StoreError, import_ase
 from schnet_ipu.data.ase_files import frame_energy, frame_forces
 from schnet_ipu.evaluation import evaluate_run
-from schnet_ipu.loader import Layout, PackMolecule, collate
 from schnet_ipu.model import SchNet
 from schnet_ipu.model.ops.torch_ops import (
     _ShiftedSoftplusFused,

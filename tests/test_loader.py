@@ -10,17 +10,14 @@ import pytest
 import torch
 from batches import assert_same_batches, epoch_batches
 
+from schnet_ipu.assembly import assemble_batch
+from schnet_ipu.batch_layout import Layout, LoaderError
+from schnet_ipu.chunk import OutputBuffers
+from schnet_ipu.collate import PackMolecule, collate
 from schnet_ipu.data import MoleculeStore, edge_counts, import_qm9, write_store
 from schnet_ipu.data.graphs import molecule_pairs
-from schnet_ipu.feed import OutputBuffers
-from schnet_ipu.loader import (
-    Layout,
-    LoaderError,
-    PackedDataset,
-    PackedLoader,
-    PackMolecule,
-    collate,
-)
+from schnet_ipu.epoch_schedule import PackedDataset
+from schnet_ipu.loader import PackedLoader
 from schnet_ipu.packing import plan_packing
 
 CUTOFF = 5.0
@@ -259,19 +256,18 @@ def test_a_molecule_too_large_for_a_pack_is_named(store, what):
         lay = dataclasses.replace(lay, max_nodes=int(store.num_atoms[biggest]) - 1)
     else:
         lay = dataclasses.replace(lay, max_edges=int(edge_counts(store, CUTOFF)[biggest]) - 2)
-    dataset.layout = lay
     record = int(store.ids[biggest])
     with pytest.raises(
         LoaderError, match=rf"molecule {biggest} \(record {record}\).* {what}.*max_"
     ):
-        dataset.collate([np.array([biggest])])
+        assemble_batch(dataset.arrays, lay, [[biggest]])
 
 
 def test_a_pack_over_its_limits_is_an_error(store):
     dataset = make_dataset(store)
     pack = np.arange(dataset.layout.max_graphs + 1)
     with pytest.raises(LoaderError, match="pack 0 holds"):
-        dataset.collate([pack])
+        assemble_batch(dataset.arrays, dataset.layout, [pack])
 
 
 def test_forces_are_gathered_like_positions(store, tmp_path):
@@ -361,3 +357,11 @@ def test_assembly_equals_a_batch_written_out_by_hand(store):
         for name, expected in reference_batch(packs, layout).items():
             got = getattr(batch, name)
             assert got.dtype == expected.dtype and torch.equal(got, expected), name
+
+
+def test_more_packs_than_a_batch_holds_is_an_error():
+    layout = Layout(packs_per_batch=1, max_nodes=3, max_graphs=1)
+    water = PackMolecule(np.array([8, 1, 1], np.uint8), np.eye(3, dtype=np.float32), 0.0, -1)
+    assert collate([[water]], layout).num_molecules == 1
+    with pytest.raises(LoaderError, match="2 packs for a batch of 1"):
+        collate([[water], [water]], layout)

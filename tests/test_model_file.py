@@ -16,13 +16,14 @@ import pytest
 import torch
 from ase import Atoms
 
+from schnet_ipu.batch_layout import Layout
 from schnet_ipu.calculator import SchNetCalculator
+from schnet_ipu.collate import PackMolecule, collate
 from schnet_ipu.config import ConfigError, ModelConfig, load_config
 from schnet_ipu.data import MoleculeStore, import_qm9
 from schnet_ipu.data.graphs import molecule_pairs
 from schnet_ipu.errors import CheckpointError
 from schnet_ipu.inference import Predictor, export_model
-from schnet_ipu.loader import Layout, PackMolecule, collate
 from schnet_ipu.model_file import ModelSpec, TrainedModel, load_trained
 from schnet_ipu.portable import PortableSchNet
 from schnet_ipu.response import energy_response

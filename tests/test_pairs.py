@@ -14,7 +14,7 @@ from schnet_ipu.data import MoleculeStore, edge_counts, import_qm9, radius_pairs
 from schnet_ipu.data.graphs import molecule_pairs
 from schnet_ipu.data.pairs import build_pairs, pairs_path
 from schnet_ipu.data.pairs_file import RadiusPairs
-from schnet_ipu.feed import FeedArrays
+from schnet_ipu.feed_arrays import FeedArrays
 from schnet_ipu.pipeline import prepare_data
 
 CUTOFF = 3.0

@@ -23,6 +23,8 @@ from batches import assert_same_batches, epoch_batches
 
 from schnet_ipu.backends.poptorch_ops import check_poptorch_ops
 from schnet_ipu.batch import Batch
+from schnet_ipu.batch_layout import Layout
+from schnet_ipu.collate import PackMolecule, collate
 from schnet_ipu.data import MoleculeStore, StoreError, edge_counts, import_ase
 from schnet_ipu.data.periodic_pairs import (
     PeriodicPairs,
@@ -31,7 +33,8 @@ from schnet_ipu.data.periodic_pairs import (
     periodic_pairs_path,
 )
 from schnet_ipu.data.writer import StoreWriter
-from schnet_ipu.loader import Layout, PackedDataset, PackedLoader, PackMolecule, collate
+from schnet_ipu.epoch_schedule import PackedDataset
+from schnet_ipu.loader import PackedLoader
 from schnet_ipu.model import SchNet
 from schnet_ipu.packing import plan_packing
 from schnet_ipu.response import energy_forces_stress

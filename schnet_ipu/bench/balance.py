@@ -32,12 +32,13 @@ import torch.distributed as dist
 from schnet_ipu.backends import init_replica
 from schnet_ipu.backends.distributed import broadcast_parameters, merged_allreduce
 from schnet_ipu.batch import Batch
+from schnet_ipu.batch_layout import Layout
 from schnet_ipu.bench.common import QM9_STORE, new_report
 from schnet_ipu.bench.replicas import Replicas
 from schnet_ipu.config import BackendConfig, ModelConfig
 from schnet_ipu.data import MoleculeStore, generate_water, make_split, radius_pairs
-from schnet_ipu.feed import FeedArrays
-from schnet_ipu.loader import Layout, PackedDataset
+from schnet_ipu.epoch_schedule import PackedDataset
+from schnet_ipu.feed_arrays import FeedArrays
 from schnet_ipu.model import SchNet
 from schnet_ipu.packing import assign_packs, plan_packing
 from schnet_ipu.packing.balance import (

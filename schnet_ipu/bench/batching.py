@@ -16,10 +16,11 @@ import numpy as np
 import torch
 
 from schnet_ipu.batch import Batch
+from schnet_ipu.batch_layout import Layout
 from schnet_ipu.bench.common import QM9_STORE, Timing, measure_side_by_side, new_report
 from schnet_ipu.config import ModelConfig
 from schnet_ipu.data import MoleculeStore, edge_counts, generate_water, make_split
-from schnet_ipu.loader import Layout, PackedDataset
+from schnet_ipu.epoch_schedule import PackedDataset
 from schnet_ipu.model import SchNet
 from schnet_ipu.packing import PackPlan, assign_packs, plan_packing
 from schnet_ipu.packing.baselines import BASELINES, run_baseline

@@ -34,9 +34,9 @@ from schnet_ipu.bench.common import (
     new_report,
     ratio,
 )
+from schnet_ipu.chunk import OutputBuffers
 from schnet_ipu.config import load_config
 from schnet_ipu.data import MoleculeStore, radius_edges
-from schnet_ipu.feed import OutputBuffers
 from schnet_ipu.loader import PackedLoader
 from schnet_ipu.pipeline import PreparedData, make_loader, prepare_data
 

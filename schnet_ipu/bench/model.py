@@ -13,11 +13,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from schnet_ipu.batch_layout import Layout
 from schnet_ipu.bench import pyg
 from schnet_ipu.bench.common import Timing, measure_side_by_side, new_report
 from schnet_ipu.config import ModelConfig
 from schnet_ipu.data import MoleculeStore, edge_counts
-from schnet_ipu.loader import Layout, PackedDataset
+from schnet_ipu.epoch_schedule import PackedDataset
 from schnet_ipu.model.schnet import SchNet
 from schnet_ipu.packing import assign_packs, plan_packing
 

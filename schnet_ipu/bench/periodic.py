@@ -27,10 +27,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from schnet_ipu.batch_layout import Layout
 from schnet_ipu.bench.common import Timing, measure_side_by_side, new_report
 from schnet_ipu.data import MoleculeStore, edge_counts, write_store
 from schnet_ipu.data.periodic_pairs import build_periodic_pairs
-from schnet_ipu.loader import Layout, PackedDataset, PackedLoader
+from schnet_ipu.epoch_schedule import PackedDataset
+from schnet_ipu.loader import PackedLoader
 from schnet_ipu.model import SchNet
 from schnet_ipu.packing import plan_packing
 from schnet_ipu.task import EnergyForceTask, TargetTransform
