@@ -90,7 +90,11 @@ class Predictor:
         if len(units) > 1:
             raise CheckpointError(f"an ensemble needs one energy unit; its members use {units}")
         self.specs: list[ModelSpec] = [m.spec for m in members]
-        self.modules = [PortableSchNet.from_trained(m, dtype, fused=True) for m in members]
+        # frozen: autograd then follows the positions alone, and the fused table loops skip
+        # the gradients of what needs none (the table, the first block's input)
+        self.modules = [
+            PortableSchNet.from_trained(m, dtype, fused=True).requires_grad_(False) for m in members
+        ]
         self.dtype = dtype
         self.unit = members[0].spec.unit
         self.forces_unit = members[0].spec.forces_unit
