@@ -31,11 +31,6 @@ from typing import Sequence, Union  # typing's forms: a runtime alias on Python 
 import numpy as np
 import torch
 
-try:
-    import numba
-except ImportError:  # the fused table loop is then absent too
-    numba = None
-
 from schnet_ipu.config import ConfigError
 from schnet_ipu.data.ase_files import check_frame, frame_cell, read_frames, write_extxyz
 from schnet_ipu.data.periodic_pairs import frame_pairs
@@ -45,9 +40,13 @@ from schnet_ipu.portable import PortableSchNet
 
 log = logging.getLogger("schnet_ipu")
 
-# Below this many atoms a structure is evaluated on one intra-op thread: a 20-atom molecule
-# took 3.2 ms on one thread and 8.5 ms on two (float32 energy + forces, quiet 2-core box)
-ONE_THREAD_ATOMS = 64
+# Below this many atoms a structure is evaluated on one intra-op thread (the fused table
+# loops always run on one). Float32 energy + forces (+ stress), 2-core box, one thread
+# against two: 20-atom molecule 3.2 against 8.5 ms (quiet); 200-atom molecule 16.0 against
+# 31.3 ms, 200-atom Cu cell 5.7 against 7.5, 1,000-atom Cu cell 19.8 against 28.5 (load
+# 1.1-1.2); at load 8 the two-thread calls took 15-60x longer (torch's pool waits on its
+# descheduled thread). 10,000 atoms keep torch's threads: not measured on a quiet box.
+ONE_THREAD_ATOMS = 2000
 
 ModelPaths = Union[str, Path, Sequence[Union[str, Path]]]  # one model file/run, or several
 
@@ -167,22 +166,15 @@ def vesin_edges(
 
 @contextmanager
 def intra_op_threads(count: int) -> Iterator[None]:
-    """torch's intra-op thread count, and numba's (the fused table loop's), is ``count``
-    inside the block (set back after). numba's parallel loop on one thread: a 20-atom call
-    took 62 ms instead of 329 ms on the loaded 2-core box (load 13.8), waking no workers."""
+    """torch's intra-op thread count is ``count`` inside the block (set back after)."""
     previous = torch.get_num_threads()
-    previous_numba = numba.get_num_threads() if numba is not None else 0
     if count != previous:
         torch.set_num_threads(count)
-    if numba is not None:
-        numba.set_num_threads(min(count, numba.config.NUMBA_NUM_THREADS))
     try:
         yield
     finally:
         if count != previous:
             torch.set_num_threads(previous)
-        if numba is not None:
-            numba.set_num_threads(previous_numba)
 
 
 def predict_file(models: ModelPaths, input_path: Path, out: Path) -> int:
