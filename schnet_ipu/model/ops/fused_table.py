@@ -2,9 +2,10 @@
 :mod:`.fused_table_loops` (numba): forward, backward and the backward's own backward, so
 the op is twice differentiable (force training).
 
-Each pass allocates its outputs and computes only the gradients autograd asks for
-(``ctx.needs_input_grad``): a model used for forces alone, its parameters frozen, gets no
-coefficient gradient, and a first block whose input needs no gradient gets no ``grad_x``.
+Each pass allocates its outputs; autograd's ``ctx.needs_input_grad`` decides what comes back
+(None for what nobody asked for) and whether the coefficient gradient is computed at all (a
+model used for forces alone, its parameters frozen, gets none). grad_x and grad_t share the
+backward's one pass over the edges and are always computed.
 
 Autograd: on torch >= 2.4 the three passes are custom operators (``torch.library.custom_op``
 with ``register_fake`` and ``register_autograd``, following the torch.library documentation,
@@ -34,9 +35,9 @@ def _array(tensor: Tensor) -> np.ndarray:
     return tensor.detach().contiguous().numpy()
 
 
-def _output(like: Tensor, needed: bool) -> Tensor:
-    """Zeros shaped as ``like`` where needed, else an empty tensor of its rank (unwritten)."""
-    return torch.zeros_like(like) if needed else like.new_empty((0,) * like.dim())
+def _coefficient_output(coeffs: Tensor, needed: bool) -> Tensor:
+    """Zeros shaped as ``coeffs`` when their gradient is needed, else [0, 0, 0] (unwritten)."""
+    return torch.zeros_like(coeffs) if needed else coeffs.new_empty((0, 0, 0))
 
 
 def _run_forward(
@@ -54,29 +55,30 @@ def _run_forward(
 
 def _run_backward(
     grad: Tensor, x: Tensor, edge_index: Tensor, coeffs: Tensor, index: Tensor, t: Tensor,
-    mask: Tensor, needs: list[bool],
+    mask: Tensor, need_coeffs: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """(grad_x [N, F], grad_coeffs [K - 1, 4, F], grad_t [P]) from grad [N, F] = d loss / d out;
-    ``needs`` [3] says which of them to compute (the others come back empty)."""
-    outputs = [_output(like, need) for like, need in zip((x, coeffs, t), needs)]
+    grad_coeffs is [0, 0, 0] unless ``need_coeffs``."""
+    grad_x, grad_t = torch.zeros_like(x), torch.zeros_like(t)
+    grad_coeffs = _coefficient_output(coeffs, need_coeffs)
     src, dst = edge_index
     loops.backward_loop(
         _array(x), _array(grad), _array(src), _array(dst), _array(coeffs), _array(index),
-        _array(t), _array(mask), *needs, *(out.numpy() for out in outputs),
+        _array(t), _array(mask), need_coeffs, grad_x.numpy(), grad_coeffs.numpy(), grad_t.numpy(),
     )  # fmt: skip
-    return outputs[0], outputs[1], outputs[2]
+    return grad_x, grad_coeffs, grad_t
 
 
 def _run_double_backward(
     up_x: Tensor | None, up_coeffs: Tensor | None, up_t: Tensor | None, grad: Tensor, x: Tensor,
-    edge_index: Tensor, coeffs: Tensor, index: Tensor, t: Tensor, mask: Tensor, needs: list[bool],
+    edge_index: Tensor, coeffs: Tensor, index: Tensor, t: Tensor, mask: Tensor,
+    need_coeffs: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """Gradients with respect to (grad, x, coeffs, t) of the backward's outputs contracted
-    with ``up_x`` [N, F], ``up_coeffs`` [K - 1, 4, F] and ``up_t`` [P] (None: zero);
-    ``needs`` [4] says which of the four are wanted (coeffs and t come back empty when not;
-    grad and x are computed either way: they share the loop's one pass over the edges)."""
-    out_grad, out_x = torch.zeros_like(x), torch.zeros_like(x)
-    out_coeffs, out_t = _output(coeffs, needs[2]), _output(t, needs[3])
+    with ``up_x`` [N, F], ``up_coeffs`` [K - 1, 4, F] and ``up_t`` [P] (None: zero); the
+    coefficients' is [0, 0, 0] unless ``need_coeffs``."""
+    out_grad, out_x, out_t = torch.zeros_like(x), torch.zeros_like(x), torch.zeros_like(t)
+    out_coeffs = _coefficient_output(coeffs, need_coeffs)
     up_x = torch.zeros_like(x) if up_x is None else up_x
     up_t = torch.zeros_like(t) if up_t is None else up_t
     has_up_coeffs = up_coeffs is not None
@@ -85,7 +87,7 @@ def _run_double_backward(
     loops.double_backward_loop(
         _array(x), _array(grad), _array(src), _array(dst), _array(coeffs), _array(index),
         _array(t), _array(mask), _array(up_x), _array(up_coeffs), _array(up_t), has_up_coeffs,
-        needs[2], needs[3], out_grad.numpy(), out_x.numpy(), out_coeffs.numpy(), out_t.numpy(),
+        need_coeffs, out_grad.numpy(), out_x.numpy(), out_coeffs.numpy(), out_t.numpy(),
     )  # fmt: skip
     return out_grad, out_x, out_coeffs, out_t
 
@@ -124,7 +126,7 @@ class _TableConvBackwardFunction(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(grad, x, edge_index, coeffs, index, t, mask)
         return tuple(
-            _or_none(_run_backward(grad, x, edge_index, coeffs, index, t, mask, needs), needs)
+            _or_none(_run_backward(grad, x, edge_index, coeffs, index, t, mask, needs[1]), needs)
         )
 
     @staticmethod
@@ -133,7 +135,7 @@ class _TableConvBackwardFunction(torch.autograd.Function):
         grad, x, edge_index, coeffs, index, t, mask = ctx.saved_tensors
         needs = [ctx.needs_input_grad[i] for i in (0, 1, 3, 5)]
         out = _run_double_backward(
-            up_x, up_coeffs, up_t, grad, x, edge_index, coeffs, index, t, mask, needs
+            up_x, up_coeffs, up_t, grad, x, edge_index, coeffs, index, t, mask, needs[2]
         )
         out = _or_none(out, needs)
         return out[0], out[1], None, out[2], None, out[3], None, None
@@ -154,40 +156,38 @@ if CUSTOM_OPS:
 
     @torch.library.custom_op(
         "schnet_ipu::table_conv_backward", mutates_args=(), device_types="cpu",
-        schema=f"(Tensor grad, {_INPUTS}, bool[] needs) -> (Tensor, Tensor, Tensor)",
+        schema=f"(Tensor grad, {_INPUTS}, bool need_coeffs) -> (Tensor, Tensor, Tensor)",
     )  # fmt: skip
-    def _table_conv_backward_op(grad, x, edge_index, coeffs, index, t, mask, needs):
-        return _run_backward(grad, x, edge_index, coeffs, index, t, mask, needs)
+    def _table_conv_backward_op(grad, x, edge_index, coeffs, index, t, mask, need_coeffs):
+        return _run_backward(grad, x, edge_index, coeffs, index, t, mask, need_coeffs)
 
     @torch.library.custom_op(
         "schnet_ipu::table_conv_double_backward", mutates_args=(), device_types="cpu",
         schema="(Tensor? up_x, Tensor? up_coeffs, Tensor? up_t, Tensor grad, "
-        f"{_INPUTS}, bool[] needs) -> (Tensor, Tensor, Tensor, Tensor)",
+        f"{_INPUTS}, bool need_coeffs) -> (Tensor, Tensor, Tensor, Tensor)",
     )  # fmt: skip
     def _table_conv_double_backward_op(
-        up_x, up_coeffs, up_t, grad, x, edge_index, coeffs, index, t, mask, needs
+        up_x, up_coeffs, up_t, grad, x, edge_index, coeffs, index, t, mask, need_coeffs
     ):
         return _run_double_backward(
-            up_x, up_coeffs, up_t, grad, x, edge_index, coeffs, index, t, mask, needs
+            up_x, up_coeffs, up_t, grad, x, edge_index, coeffs, index, t, mask, need_coeffs
         )
 
-    def _fake_outputs(likes: tuple[Tensor, ...], needs: list[bool]) -> tuple[Tensor, ...]:
-        return tuple(
-            torch.empty_like(like) if need else like.new_empty((0,) * like.dim())
-            for like, need in zip(likes, needs)
-        )
+    def _fake_coefficients(coeffs: Tensor, needed: bool) -> Tensor:
+        return torch.empty_like(coeffs) if needed else coeffs.new_empty((0, 0, 0))
 
     @_table_conv_op.register_fake
     def _(x, edge_index, coeffs, index, t, mask):
         return torch.empty_like(x)
 
     @_table_conv_backward_op.register_fake
-    def _(grad, x, edge_index, coeffs, index, t, mask, needs):
-        return _fake_outputs((x, coeffs, t), needs)
+    def _(grad, x, edge_index, coeffs, index, t, mask, need_coeffs):
+        return torch.empty_like(x), _fake_coefficients(coeffs, need_coeffs), torch.empty_like(t)
 
     @_table_conv_double_backward_op.register_fake
-    def _(up_x, up_coeffs, up_t, grad, x, edge_index, coeffs, index, t, mask, needs):
-        return _fake_outputs((grad, x, coeffs, t), needs)
+    def _(up_x, up_coeffs, up_t, grad, x, edge_index, coeffs, index, t, mask, need_coeffs):
+        coefficients = _fake_coefficients(coeffs, need_coeffs)
+        return torch.empty_like(x), torch.empty_like(x), coefficients, torch.empty_like(t)
 
     def _save_inputs(ctx, inputs, output) -> None:
         ctx.save_for_backward(*inputs)
@@ -196,7 +196,7 @@ if CUSTOM_OPS:
         x, edge_index, coeffs, index, t, mask = ctx.saved_tensors
         needs = [ctx.needs_input_grad[i] for i in (0, 2, 4)]
         grads = _or_none(
-            _table_conv_backward_op(grad, x, edge_index, coeffs, index, t, mask, needs), needs
+            _table_conv_backward_op(grad, x, edge_index, coeffs, index, t, mask, needs[1]), needs
         )
         return grads[0], None, grads[1], None, grads[2], None
 
@@ -208,7 +208,7 @@ if CUSTOM_OPS:
         grad, x, edge_index, coeffs, index, t, mask = ctx.saved_tensors
         needs = [ctx.needs_input_grad[i] for i in (0, 1, 3, 5)]
         out = _table_conv_double_backward_op(
-            up_x, up_coeffs, up_t, grad, x, edge_index, coeffs, index, t, mask, needs
+            up_x, up_coeffs, up_t, grad, x, edge_index, coeffs, index, t, mask, needs[2]
         )
         out = _or_none(out, needs)
         return out[0], out[1], None, out[2], None, out[3], None, None
