@@ -65,6 +65,14 @@ def cubic(coeffs, k, f, tp):  # pragma: no cover
     return ((c3 * tp + c2) * tp + c1) * tp + c0, c1 + (c2 + c2 + (c3 + c3 + c3) * tp) * tp
 
 
+def filter_edges(src, dst, p, num_filters, two):  # pragma: no cover
+    """(source, receiver) of filter p's edge and of its second edge p + P (the first again
+    when there is none)."""
+    if two:
+        return src[p], dst[p], src[p + num_filters], dst[p + num_filters]
+    return src[p], dst[p], src[p], dst[p]
+
+
 def forward_loop(x, src, dst, coeffs, index, t, mask, out):  # pragma: no cover
     """out[dst[e]] += x[src[e]] * W(e) for every edge; ``index``/``t``/``mask`` [P] describe
     P filters, edge e uses filter ``e % P`` (E = P, or E = 2P for pair-symmetric storage)."""
@@ -74,8 +82,7 @@ def forward_loop(x, src, dst, coeffs, index, t, mask, out):  # pragma: no cover
         if not mask[p]:
             continue
         k, tp = index[p], t[p]
-        s1, d1 = src[p], dst[p]
-        s2, d2 = (src[p + num_filters], dst[p + num_filters]) if two else (s1, d1)
+        s1, d1, s2, d2 = filter_edges(src, dst, p, num_filters, two)
         for f in range(num_features):
             w = cubic(coeffs, k, f, tp)[0]
             out[d1, f] += x[s1, f] * w
@@ -116,8 +123,7 @@ def backward_loop(
         if not mask[p]:
             continue
         k, tp = index[p], t[p]
-        s1, d1 = src[p], dst[p]
-        s2, d2 = (src[p + num_filters], dst[p + num_filters]) if two else (s1, d1)
+        s1, d1, s2, d2 = filter_edges(src, dst, p, num_filters, two)
         slope_sum = zero
         for f in range(num_features):
             w, slope = cubic(coeffs, k, f, tp)
@@ -151,8 +157,7 @@ def double_backward_loop(
         if not mask[p]:
             continue
         k, tp, ut = index[p], t[p], up_t[p]
-        s1, d1 = src[p], dst[p]
-        s2, d2 = (src[p + num_filters], dst[p + num_filters]) if two else (s1, d1)
+        s1, d1, s2, d2 = filter_edges(src, dst, p, num_filters, two)
         if has_up_coeffs:
             for f in range(num_features):
                 up_filt[f], up_slope[f] = cubic(up_coeffs, k, f, tp)
@@ -182,6 +187,7 @@ if AVAILABLE:
     _row = numba.njit(nogil=True, cache=True, boundscheck=False, fastmath=True, inline="always")
     _loop = numba.njit(nogil=True, cache=True, boundscheck=False, fastmath=True)
     cubic = _row(cubic)
+    filter_edges = _row(filter_edges)
     coefficient_gradient = _row(coefficient_gradient)
     forward_loop = _loop(forward_loop)
     backward_loop = _loop(backward_loop)
