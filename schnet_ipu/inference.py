@@ -33,7 +33,6 @@ import torch
 
 from schnet_ipu.config import ConfigError
 from schnet_ipu.data.ase_files import check_frame, frame_cell, read_frames, write_extxyz
-from schnet_ipu.data.periodic_pairs import frame_pairs
 from schnet_ipu.errors import CheckpointError
 from schnet_ipu.model_file import ModelSpec, load_trained
 from schnet_ipu.portable import PortableSchNet
@@ -152,16 +151,20 @@ def vesin_edges(
     pos: np.ndarray, cell: np.ndarray | None, pbc: np.ndarray | None, cutoff: float, periodic: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """vesin's half list of one structure as (edge_index int64 [2, P], offsets float64
-    [P, 3] = S @ cell) for :meth:`PortableSchNet.forward_edges`; O(N) (vesin's cell list)."""
-    if periodic:
-        i, j, shift = frame_pairs(np.asarray(pos, np.float64), cell, pbc, cutoff)
-        offsets = shift.astype(np.float64) @ np.asarray(cell, np.float64)
-    else:
-        i, j, _ = frame_pairs(
-            np.asarray(pos, np.float64), np.zeros((3, 3)), np.zeros(3, bool), cutoff
-        )
-        offsets = np.zeros((len(i), 3))
-    return torch.from_numpy(np.stack([i, j])), torch.from_numpy(offsets)
+    [P, 3] = S @ cell) for :meth:`PortableSchNet.forward_edges`; O(N) (vesin's cell list).
+
+    vesin's pairs as they come (``pos[j] - pos[i] + S @ cell``, each pair once), without
+    :func:`~schnet_ipu.data.periodic_pairs.frame_pairs`' canonical form, which the
+    symmetric evaluation does not need: 10,000 Cu atoms 26 against 40 ms."""
+    import vesin
+
+    box = np.asarray(cell, np.float64) if periodic else np.zeros((3, 3))
+    flags = np.asarray(pbc, bool).tolist() if periodic else [False, False, False]
+    search = vesin.NeighborList(cutoff=float(cutoff), full_list=False, n_threads=1)
+    i, j, shift = search.compute(np.asarray(pos, np.float64), box, flags, quantities="ijS")
+    shift = shift.astype(np.float64)
+    offsets = shift[:, :1] * box[0] + shift[:, 1:2] * box[1] + shift[:, 2:] * box[2]
+    return torch.from_numpy(np.stack([i, j]).astype(np.int64)), torch.from_numpy(offsets)
 
 
 @contextmanager
