@@ -31,23 +31,21 @@ from typing import Sequence, Union  # typing's forms: a runtime alias on Python 
 import numpy as np
 import torch
 
-try:
-    import numba
-except ImportError:  # the fused table loop is then absent too
-    numba = None
-
 from schnet_ipu.config import ConfigError
 from schnet_ipu.data.ase_files import check_frame, frame_cell, read_frames, write_extxyz
-from schnet_ipu.data.periodic_pairs import frame_pairs
 from schnet_ipu.errors import CheckpointError
 from schnet_ipu.model_file import ModelSpec, load_trained
 from schnet_ipu.portable import PortableSchNet
 
 log = logging.getLogger("schnet_ipu")
 
-# Below this many atoms a structure is evaluated on one intra-op thread: a 20-atom molecule
-# took 3.2 ms on one thread and 8.5 ms on two (float32 energy + forces, quiet 2-core box)
-ONE_THREAD_ATOMS = 64
+# Below this many atoms a structure is evaluated on one intra-op thread (the fused table
+# loops always run on one). Float32 energy + forces (+ stress), 2-core box, one thread
+# against two: 20-atom molecule 3.2 against 8.5 ms (quiet); 200-atom molecule 16.0 against
+# 31.3 ms, 200-atom Cu cell 5.7 against 7.5, 1,000-atom Cu cell 19.8 against 28.5 (load
+# 1.1-1.2); at load 8 the two-thread calls took 15-60x longer (torch's pool waits on its
+# descheduled thread). 10,000 atoms keep torch's threads: not measured on a quiet box.
+ONE_THREAD_ATOMS = 2000
 
 ModelPaths = Union[str, Path, Sequence[Union[str, Path]]]  # one model file/run, or several
 
@@ -90,7 +88,11 @@ class Predictor:
         if len(units) > 1:
             raise CheckpointError(f"an ensemble needs one energy unit; its members use {units}")
         self.specs: list[ModelSpec] = [m.spec for m in members]
-        self.modules = [PortableSchNet.from_trained(m, dtype, fused=True) for m in members]
+        # frozen: autograd then follows the positions alone, and the fused table loops skip
+        # the gradients of what needs none (the table, the first block's input)
+        self.modules = [
+            PortableSchNet.from_trained(m, dtype, fused=True).requires_grad_(False) for m in members
+        ]
         self.dtype = dtype
         self.unit = members[0].spec.unit
         self.forces_unit = members[0].spec.forces_unit
@@ -149,36 +151,33 @@ def vesin_edges(
     pos: np.ndarray, cell: np.ndarray | None, pbc: np.ndarray | None, cutoff: float, periodic: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """vesin's half list of one structure as (edge_index int64 [2, P], offsets float64
-    [P, 3] = S @ cell) for :meth:`PortableSchNet.forward_edges`; O(N) (vesin's cell list)."""
-    if periodic:
-        i, j, shift = frame_pairs(np.asarray(pos, np.float64), cell, pbc, cutoff)
-        offsets = shift.astype(np.float64) @ np.asarray(cell, np.float64)
-    else:
-        i, j, _ = frame_pairs(
-            np.asarray(pos, np.float64), np.zeros((3, 3)), np.zeros(3, bool), cutoff
-        )
-        offsets = np.zeros((len(i), 3))
-    return torch.from_numpy(np.stack([i, j])), torch.from_numpy(offsets)
+    [P, 3] = S @ cell) for :meth:`PortableSchNet.forward_edges`; O(N) (vesin's cell list).
+
+    vesin's pairs as they come (``pos[j] - pos[i] + S @ cell``, each pair once), without
+    :func:`~schnet_ipu.data.periodic_pairs.frame_pairs`' canonical form, which the
+    symmetric evaluation does not need: 10,000 Cu atoms 26 against 40 ms."""
+    import vesin
+
+    box = np.asarray(cell, np.float64) if periodic else np.zeros((3, 3))
+    flags = np.asarray(pbc, bool).tolist() if periodic else [False, False, False]
+    search = vesin.NeighborList(cutoff=float(cutoff), full_list=False, n_threads=1)
+    i, j, shift = search.compute(np.asarray(pos, np.float64), box, flags, quantities="ijS")
+    shift = shift.astype(np.float64)
+    offsets = shift[:, :1] * box[0] + shift[:, 1:2] * box[1] + shift[:, 2:] * box[2]
+    return torch.from_numpy(np.stack([i, j]).astype(np.int64)), torch.from_numpy(offsets)
 
 
 @contextmanager
 def intra_op_threads(count: int) -> Iterator[None]:
-    """torch's intra-op thread count, and numba's (the fused table loop's), is ``count``
-    inside the block (set back after). numba's parallel loop on one thread: a 20-atom call
-    took 62 ms instead of 329 ms on the loaded 2-core box (load 13.8), waking no workers."""
+    """torch's intra-op thread count is ``count`` inside the block (set back after)."""
     previous = torch.get_num_threads()
-    previous_numba = numba.get_num_threads() if numba is not None else 0
     if count != previous:
         torch.set_num_threads(count)
-    if numba is not None:
-        numba.set_num_threads(min(count, numba.config.NUMBA_NUM_THREADS))
     try:
         yield
     finally:
         if count != previous:
             torch.set_num_threads(previous)
-        if numba is not None:
-            numba.set_num_threads(previous_numba)
 
 
 def predict_file(models: ModelPaths, input_path: Path, out: Path) -> int:

@@ -24,8 +24,9 @@ from schnet_ipu.checkpoint import save_checkpoint
 from schnet_ipu.collate import PackMolecule, collate
 from schnet_ipu.config import ModelConfig
 from schnet_ipu.data.periodic_pairs import frame_pairs
-from schnet_ipu.inference import export_model
+from schnet_ipu.inference import Predictor, export_model
 from schnet_ipu.model_file import ModelSpec, load_trained
+from schnet_ipu.portable import FusedTableInteraction, PortableSchNet
 from schnet_ipu.response import energy_forces_stress
 from schnet_ipu.task import EnergyTask, TargetTransform
 
@@ -196,6 +197,36 @@ def test_an_engines_neighbour_list_gives_the_same_energy_forces_and_virial(expor
         assert abs(got[0].item() - energy) <= ENERGY, name
         np.testing.assert_allclose(got[1].numpy(), forces, atol=FORCES, err_msg=name)
         np.testing.assert_allclose(-got[2].numpy() / volume, stress, atol=STRESS, err_msg=name)
+
+
+@pytest.mark.parametrize("full_list", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+def test_the_calculators_fused_loops_equal_the_torch_ops(tmp_path, dtype, full_list):
+    """The calculator's modules (numba's fused table loops, parameters frozen: no coefficient
+    gradient) against the same table read in torch ops, on one pair list (half: the loops'
+    pair-symmetric layout; full: one edge per filter): energy, forces and virial equal to
+    1e-10 (float64) or 1e-5 (float32) of the largest entry."""
+    trained = load_trained(write_model(tmp_path, "table"))
+    fused = Predictor(trained.path, dtype=dtype).modules[0]
+    reference = PortableSchNet.from_trained(trained, dtype)
+    assert isinstance(fused.interactions[0], FusedTableInteraction)
+    assert not isinstance(reference.interactions[0], FusedTableInteraction)
+    atoms = sheared_bulk()
+    i, j, shift, vectors = neighbor_list("ijSD", atoms, CUTOFF)
+    if not full_list:
+        keep = (i < j) | ((i == j) & np.array([tuple(s) > (0, 0, 0) for s in shift]))
+        i, j, vectors = i[keep], j[keep], vectors[keep]
+    offsets = torch.as_tensor(vectors - (atoms.positions[j] - atoms.positions[i]))
+    args = (torch.as_tensor(atoms.numbers), torch.as_tensor(atoms.positions))
+    edges = torch.as_tensor(np.stack([i, j]))
+    got = fused.forward_edges(*args, edges, offsets, full_list)
+    want = reference.forward_edges(*args, edges, offsets, full_list)
+    tolerance = 1e-10 if dtype == torch.float64 else 1e-5
+    assert abs(got[0].item() - want[0].item()) <= tolerance * abs(want[0].item())
+    for name, a, b in (("forces", got[1], want[1]), ("virial", got[2], want[2])):
+        assert b.abs().max() > 0
+        error = float((a - b).abs().max() / b.abs().max())
+        assert error <= tolerance, (name, error)
 
 
 def test_finite_differences_of_the_export_are_its_forces_and_stress(model_path, tmp_path):

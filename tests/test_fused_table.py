@@ -65,6 +65,26 @@ def test_gradcheck_and_gradgradcheck(custom_op, pair_symmetric):
     assert torch.autograd.gradgradcheck(conv, leaves, fast_mode=True)
 
 
+@pytest.mark.parametrize("wanted", ["t", "x t", "coeffs t", "x coeffs"])
+@pytest.mark.parametrize("custom_op", PATHS)
+def test_gradients_of_some_inputs_only(custom_op, wanted):
+    """The passes skip the gradients nobody asked for (inference: frozen table and first
+    block): what they still compute, once and twice differentiated, is right."""
+    x, edge_index, coeffs, index, t, mask = small_conv_inputs(True, seed=3)
+    names = wanted.split()
+    inputs = {"x": x, "coeffs": coeffs, "t": t}
+    leaves = tuple(inputs[name].detach().requires_grad_(True) for name in names)
+
+    def conv(*leaves):
+        given = dict(inputs, **dict(zip(names, leaves)))
+        return fused_table.fused_table_conv(
+            given["x"], edge_index, given["coeffs"], index, given["t"], mask, custom_op
+        )
+
+    assert torch.autograd.gradcheck(conv, leaves, fast_mode=True)
+    assert torch.autograd.gradgradcheck(conv, leaves, fast_mode=True)
+
+
 def test_loops_keep_torch_thread_count(restore_threads):
     """numba's pool start used to leave torch at all cores (backend.threads ignored)."""
     torch.set_num_threads(1)
