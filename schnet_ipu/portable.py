@@ -118,15 +118,17 @@ class Interaction(nn.Module):
         interval: Tensor,
         t: Tensor,
         symmetric: bool,
+        directed: Tensor,
     ) -> Tensor:
         """h [N, H] -> update [N, H] over P edges (source, receiver [P]); the exact filter
-        reads rbf [P, G] and cut [P], the table the interval [P] and position t [P]."""
+        reads rbf [P, G] and cut [P], the table the interval [P] and position t [P];
+        ``directed`` [2, E]: the fused loop's edges, built once per call (empty otherwise)."""
         x = self.conv.lin1(h)
         if self.coefficients.shape[0] == 0:
             filt = self.mlp(rbf) * cut.unsqueeze(-1)
             summed = message_sum(x, source, receiver, filt, symmetric)
         else:
-            summed = self.table_sum(x, source, receiver, interval, t, symmetric)
+            summed = self.table_sum(x, source, receiver, interval, t, symmetric, directed)
         return self.lin(self.act(self.conv.lin2(summed)))
 
     def table_sum(
@@ -137,8 +139,10 @@ class Interaction(nn.Module):
         interval: Tensor,
         t: Tensor,
         symmetric: bool,
+        directed: Tensor,
     ) -> Tensor:
-        """:func:`message_sum` with each edge's filter read from the table (torch ops)."""
+        """:func:`message_sum` with each edge's filter read from the table (torch ops;
+        ``directed`` is the fused loop's)."""
         intervals, _, filters = self.coefficients.shape
         rows = self.coefficients.view(intervals, 4 * filters).index_select(0, interval)
         c0, c1, c2, c3 = rows.view(-1, 4, filters).unbind(1)
@@ -159,13 +163,10 @@ class FusedTableInteraction(Interaction):
         interval: Tensor,
         t: Tensor,
         symmetric: bool,
+        directed: Tensor,
     ) -> Tensor:
-        if symmetric:  # the loop's pair-symmetric layout: edges P.. 2P-1 reverse 0.. P-1
-            edge_index = torch.stack([torch.cat([source, receiver]), torch.cat([receiver, source])])
-        else:
-            edge_index = torch.stack([source, receiver])
         mask = torch.ones(interval.shape[0], dtype=torch.bool)
-        return fused_table.fused_table_conv(x, edge_index, self.coefficients, interval, t, mask)
+        return fused_table.fused_table_conv(x, directed, self.coefficients, interval, t, mask)
 
 
 class PortableSchNet(nn.Module):
@@ -219,6 +220,7 @@ class PortableSchNet(nn.Module):
         self.register_buffer("known", known, persistent=False)
         self.embedding = Embedding(EMBEDDING_ROWS, hidden_channels, padding_idx=0)
         self.distance_expansion = DistanceExpansion(cutoff, num_gaussians)
+        self.fused = fused
         block = FusedTableInteraction if fused else Interaction
         self.interactions = nn.ModuleList(
             [block(hidden_channels, num_gaussians, num_filters) for _ in range(num_interactions)]
@@ -380,9 +382,16 @@ class PortableSchNet(nn.Module):
             rbf = self.distance_expansion(dist)
             cut = 0.5 * (torch.cos(dist * (math.pi / self.cutoff)) + 1.0)
             interval_index, t = torch.zeros(0, dtype=torch.long), empty
+        directed = torch.zeros(2, 0, dtype=torch.long)
+        if self.fused and symmetric:  # the loop's pair-symmetric layout: P.. 2P-1 reverse 0.. P-1
+            directed = torch.stack([torch.cat([source, receiver]), torch.cat([receiver, source])])
+        elif self.fused:
+            directed = torch.stack([source, receiver])
         h = self.embedding(z)
         for interaction in self.interactions:
-            h = h + interaction(h, source, receiver, rbf, cut, interval_index, t, symmetric)
+            h = h + interaction(
+                h, source, receiver, rbf, cut, interval_index, t, symmetric, directed
+            )
         # per-atom outputs summed in float64: the mean and atomref terms, large beside a
         # float32 model's resolution, never pass through float32 arithmetic
         out = self.lin2(self.act(self.lin1(h))).squeeze(-1).double() * self.std + self.mean
