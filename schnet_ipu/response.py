@@ -88,22 +88,6 @@ def _stress(virial: Tensor, cell: Tensor) -> Tensor:
     )
 
 
-def energy_and_forces(model: nn.Module, batch: Batch, create_graph: bool) -> tuple[Tensor, Tensor]:
-    """``(energy, forces)`` of :func:`energy_response` without stress, for callers that unpack
-    the pair."""
-    response = energy_response(model, batch, stress=False, create_graph=create_graph)
-    return response.energy, response.forces
-
-
-def energy_forces_stress(
-    model: nn.Module, batch: Batch, create_graph: bool
-) -> tuple[Tensor, Tensor, Tensor]:
-    """``(energy, forces, stress)`` of :func:`energy_response` of a periodic batch, for
-    callers that unpack the triple."""
-    energy, forces, stress = energy_response(model, batch, stress=True, create_graph=create_graph)
-    return energy, forces, stress
-
-
 def labelled_atoms(batch: Batch) -> Tensor:
     """[N] bool: the real atoms whose frame carries target forces (every real atom unless
     the batch has a ``forces_mask``; padding atoms, of the filler slot G, never)."""

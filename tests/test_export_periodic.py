@@ -27,7 +27,7 @@ from schnet_ipu.data.periodic_pairs import frame_pairs
 from schnet_ipu.inference import Predictor, export_model
 from schnet_ipu.model_file import ModelSpec, load_trained
 from schnet_ipu.portable import FusedTableInteraction, PortableSchNet
-from schnet_ipu.response import energy_forces_stress
+from schnet_ipu.response import energy_response
 from schnet_ipu.task import EnergyTask, TargetTransform
 
 CUTOFF = 5.0
@@ -91,7 +91,7 @@ def packed_reference(model_path: Path, atoms: Atoms) -> tuple[float, np.ndarray,
     )
     model = trained.model.double()
     model.max_nodes_per_pack = len(z)
-    energy, forces, stress = energy_forces_stress(model, batch, create_graph=False)
+    energy, forces, stress = energy_response(model, batch, stress=True, create_graph=False)
     total = energy[0].item() + trained.spec.transform.reference(z)
     return total, forces.detach().numpy(), stress[0].detach().numpy()
 

@@ -21,7 +21,7 @@ from test_periodic import batch_of
 from schnet_ipu.model import SchNet
 from schnet_ipu.model.filter_table import grid_position, hermite_coefficients
 from schnet_ipu.model.ops import fused_table
-from schnet_ipu.response import energy_and_forces, energy_forces_stress
+from schnet_ipu.response import energy_response
 
 pytestmark = pytest.mark.skipif(not fused_table.AVAILABLE, reason="numba is not installed")
 
@@ -129,9 +129,9 @@ def force_training_pass(model: SchNet, batch, periodic: bool) -> dict[str, torch
     """Energies, forces (stress), and the gradient of a loss on all of them with respect to
     every parameter: the passes of a force-training step."""
     if periodic:
-        energy, forces, stress = energy_forces_stress(model, batch, create_graph=True)
+        energy, forces, stress = energy_response(model, batch, stress=True, create_graph=True)
     else:
-        energy, forces = energy_and_forces(model, batch, create_graph=True)
+        energy, forces, _ = energy_response(model, batch, create_graph=True)
         stress = forces.new_zeros(())
     target = torch.linspace(-1.0, 1.0, forces.numel(), dtype=forces.dtype).view_as(forces)
     loss = energy.square().sum() + (forces - target).square().sum() + 10 * stress.square().sum()

@@ -34,7 +34,7 @@ from schnet_ipu.inference import predict_file
 from schnet_ipu.loader import PackedLoader
 from schnet_ipu.model import SchNet
 from schnet_ipu.pipeline import prepare_data
-from schnet_ipu.response import energy_forces_stress
+from schnet_ipu.response import energy_response
 from schnet_ipu.runlog import read_records
 from schnet_ipu.task import EnergyForceTask, TargetTransform
 from schnet_ipu.training import train
@@ -144,7 +144,7 @@ def test_loss_is_the_masked_loss_by_hand(mixed_store):
     task = EnergyForceTask(TargetTransform((0.0,) * 119, 2.0), 0.7, 1.5, 0.02, 3.0)
     loss = float(task.loss(model, batch).detach())
 
-    energy, forces, stress = energy_forces_stress(model, batch, create_graph=False)
+    energy, forces, stress = energy_response(model, batch, stress=True, create_graph=False)
     true_forces, true_stress = store.forces(), store.stress()
     targets = store.target("energy")
     sums = dict.fromkeys(["energy", "molecules", "forces", "components", "stress", "entries"], 0.0)
