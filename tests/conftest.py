@@ -26,6 +26,12 @@ def qm9_store(tmp_path_factory) -> Path:
     return import_qm9(tmp_path_factory.mktemp("qm9") / "qm9.h5", limit=2000, progress=False)
 
 
+@pytest.fixture(scope="session")
+def qm9_small(tmp_path_factory) -> Path:
+    """A store of the first 400 real QM9 molecules: the smoke runs' data (imported once)."""
+    return import_qm9(tmp_path_factory.mktemp("qm9") / "qm9_400.h5", limit=400, progress=False)
+
+
 @pytest.fixture(scope="module")
 def restore_threads():
     """Put torch's intra-op thread count back after a module whose runs change it."""

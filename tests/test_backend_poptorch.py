@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import qm9_rows, smoke_overrides
+from helpers import smoke_overrides
 from test_backend import TinyModel, make_batch, masked_mse
 from test_ipu_emulator import DECAY, popart_reference_step
 
@@ -147,12 +147,7 @@ def test_schnet_adam_schedule_validation_best_weights_and_predict() -> None:
     torch.testing.assert_close(backend.predict(calls[0][0]), expected, atol=1e-4, rtol=1e-3)
 
 
-@pytest.fixture(scope="module")
-def store(tmp_path_factory) -> Path:
-    return qm9_rows(tmp_path_factory.mktemp("qm9"), limit=400)
-
-
-def test_train_end_to_end_on_the_ipu_model(store: Path, tmp_path: Path) -> None:
+def test_train_end_to_end_on_the_ipu_model(qm9_small: Path, tmp_path: Path) -> None:
     """The training application: 2 replicas, cosine schedule, weight decay and clipping,
     validation, best, test, a resume, evaluate and predict; on IPUs where there are some.
     Every checkpoint loads with ``weights_only`` (PopTorch's wrapped buffers are saved
@@ -162,7 +157,7 @@ def test_train_end_to_end_on_the_ipu_model(store: Path, tmp_path: Path) -> None:
     device = "ipu" if poptorch.ipuHardwareIsAvailable() else "ipu-model"
     run_dir = tmp_path / "run"
     overrides = smoke_overrides(
-        store,
+        qm9_small,
         run_dir,
         "data.val=60",
         "data.test=60",

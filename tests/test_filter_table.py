@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from bench_helpers import load_molecules, molecules_to_batch, pair_array, plan_packs
-from test_forces import emt_batch, emt_frames
+from test_forces import emt_batch, emt_frames, forces_pass_gradcheck
 
 from schnet_ipu.backends.poptorch_ops import check_poptorch_ops
 from schnet_ipu.config import ConfigError, load_config
@@ -276,14 +276,7 @@ def test_table_forces_twice_differentiable(graph):
         hidden_channels=6, num_filters=5, num_interactions=2, num_gaussians=7, cutoff=4.0,
         graph=graph, k=5, max_nodes_per_pack=24, filter="table", filter_points=16,
     ).double()  # fmt: skip
-    batch, _ = emt_batch(emt_frames(4, seed=2), radius=graph == "radius")
-
-    def forces_of(pos):
-        batch.pos = pos
-        return energy_response(model, batch, create_graph=True).forces
-
-    pos = batch.pos.clone().requires_grad_(True)
-    assert torch.autograd.gradcheck(forces_of, (pos,), eps=1e-6, atol=1e-5, fast_mode=True)
+    assert forces_pass_gradcheck(model, radius=graph == "radius")
 
 
 def test_dense_and_ipu_flavour_equal_sparse_torch(qm9_batches):

@@ -118,14 +118,19 @@ def test_forces_are_twice_differentiable_through_the_model(graph):
     """gradcheck of pos -> forces is gradgradcheck of the energy through every op on the path."""
     model = tiny_model("torch", graph)
     model.max_nodes_per_pack = 24
-    batch, _ = emt_batch(emt_frames(4, seed=2), radius=graph == "radius")
+    assert forces_pass_gradcheck(model, radius=graph == "radius")
+
+
+def forces_pass_gradcheck(model: SchNet, radius: bool) -> bool:
+    """gradcheck of pos -> forces (float64) on four small EMT clusters."""
+    batch, _ = emt_batch(emt_frames(4, seed=2), radius=radius)
 
     def forces_of(pos):
         batch.pos = pos
         return energy_response(model, batch, create_graph=True).forces
 
     pos = batch.pos.clone().requires_grad_(True)
-    assert torch.autograd.gradcheck(forces_of, (pos,), eps=1e-6, atol=1e-5, fast_mode=True)
+    return torch.autograd.gradcheck(forces_of, (pos,), eps=1e-6, atol=1e-5, fast_mode=True)
 
 
 def test_force_loss_gradients_equal_those_through_plain_ops():

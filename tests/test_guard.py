@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import Killed, kill_after_first_checkpoint, load_script, qm9_rows, qm9_smoke_overrides
+from helpers import Killed, kill_after_first_checkpoint, load_script, qm9_smoke_overrides
 
 from schnet_ipu.config import load_config
 from schnet_ipu.runlog import read_records
@@ -30,14 +30,9 @@ LINE = re.compile(
 )
 
 
-@pytest.fixture(scope="module")
-def store(tmp_path_factory) -> Path:
-    return qm9_rows(tmp_path_factory.mktemp("qm9"), limit=400)
-
-
-def tiny(store: Path, run_dir: Path, *extra: str) -> list[str]:
+def tiny(qm9_small: Path, run_dir: Path, *extra: str) -> list[str]:
     return qm9_smoke_overrides(
-        store,
+        qm9_small,
         run_dir,
         "optim.schedule=plateau",
         "optim.beat_baseline=true",  # these runs learn: train() raises if they do not
@@ -50,7 +45,7 @@ def guard_lines(messages: list[str]) -> list[re.Match]:
 
 
 def test_a_learning_rate_far_too_high_rolls_back_and_the_run_beats_the_baseline(
-    store, tmp_path, caplog
+    qm9_small, tmp_path, caplog
 ):
     """At lr 0.1 (100 x the default) the loss blows up within two steps: each time the
     guard logs one line, restores earlier weights and halves the learning rate, and the run
@@ -58,7 +53,7 @@ def test_a_learning_rate_far_too_high_rolls_back_and_the_run_beats_the_baseline(
     run_dir = tmp_path / "run"
     args = ("optim.lr=0.1", "optim.schedule=constant", "optim.epochs=4")
     with caplog.at_level(logging.WARNING, logger="schnet_ipu"):
-        final = train(load_config(None, tiny(store, run_dir, *args)))
+        final = train(load_config(None, tiny(qm9_small, run_dir, *args)))
     lines = guard_lines([r.getMessage() for r in caplog.records])
     assert lines and lines[0]["where"] == "", caplog.text
     for line in lines:
@@ -71,22 +66,22 @@ def test_a_learning_rate_far_too_high_rolls_back_and_the_run_beats_the_baseline(
     assert final["test_mae"] < final["baseline_test_mae"]
 
 
-def test_a_resumed_run_rolls_back_exactly_as_an_uninterrupted_one(store, tmp_path, monkeypatch):
+def test_a_resumed_run_rolls_back_exactly_as_an_uninterrupted_one(qm9_small, tmp_path, monkeypatch):
     """The loss blows up after the first checkpoint. Killed right after that checkpoint and
     re-run, the run rolls back at the same step to the same weights (the guard's reads and
     snapshots are in last.pt), keeps the lowered learning rate, and ends with the same
     weights, bit for bit."""
     args = (*RISING_LR, "optim.beat_baseline=false")  # 3 epochs: too short to beat it here
-    train(load_config(None, tiny(store, tmp_path / "whole", *args)))
+    train(load_config(None, tiny(qm9_small, tmp_path / "whole", *args)))
     rollbacks = read_records(tmp_path / "whole/metrics.jsonl", "rollback")
     assert rollbacks and rollbacks[0]["epoch"] >= 1  # after the first checkpoint
 
     kill_after_first_checkpoint(monkeypatch)
     run_dir = tmp_path / "resumed"
     with pytest.raises(Killed):
-        train(load_config(None, tiny(store, run_dir, *args)))
+        train(load_config(None, tiny(qm9_small, run_dir, *args)))
     assert not read_records(run_dir / "metrics.jsonl", "rollback")
-    train(load_config(None, tiny(store, run_dir, *args)))
+    train(load_config(None, tiny(qm9_small, run_dir, *args)))
     assert read_records(run_dir / "metrics.jsonl", "rollback") == rollbacks
     saved = {
         name: torch.load(tmp_path / name / "checkpoints/last.pt", weights_only=True)
@@ -99,12 +94,12 @@ def test_a_resumed_run_rolls_back_exactly_as_an_uninterrupted_one(store, tmp_pat
 
 
 def test_spikes_beyond_spike_rollbacks_stop_the_run_with_one_line_and_keep_best_pt(
-    store, tmp_path, capsys
+    qm9_small, tmp_path, capsys
 ):
     """With no rollback allowed, the first spike stops the run: exit 2, one line naming
     the step and the learning rate; best.pt from the validations before it stays."""
     run_dir = tmp_path / "run"
-    argv = tiny(store, run_dir, *RISING_LR, "optim.spike_rollbacks=0")
+    argv = tiny(qm9_small, run_dir, *RISING_LR, "optim.spike_rollbacks=0")
     capsys.readouterr()
     assert train_cli.main(argv) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
@@ -118,13 +113,13 @@ def test_spikes_beyond_spike_rollbacks_stop_the_run_with_one_line_and_keep_best_
     assert best["epoch"] >= 1 and not read_records(run_dir / "metrics.jsonl", "final")
 
 
-def test_replicas_roll_back_together(store, tmp_path, capfd):
+def test_replicas_roll_back_together(qm9_small, tmp_path, capfd):
     """Two gloo replicas see different losses; they decide on the largest of their reads,
     agreed in the budget clock's collective, so both roll back at the same step to the same
     step with the same new learning rate."""
     run_dir = tmp_path / "run"
     args = ("optim.lr=0.1", "optim.schedule=constant", "optim.epochs=1", "backend.replicas=2")
-    train(load_config(None, tiny(store, run_dir, *args, "optim.beat_baseline=false")))
+    train(load_config(None, tiny(qm9_small, run_dir, *args, "optim.beat_baseline=false")))
     seen: dict[str, list[tuple[str, str, str]]] = {}
     for m in guard_lines(capfd.readouterr().err.splitlines()):
         seen.setdefault(m["where"], []).append((m["step"], m["to"], m["new"]))
@@ -134,16 +129,16 @@ def test_replicas_roll_back_together(store, tmp_path, capfd):
     assert [str(r["step"]) for r in recorded] == [step for step, _, _ in seen[" (replica 0 of 2)"]]
 
 
-def test_a_run_that_does_not_beat_the_dressed_atom_baseline_fails(store, tmp_path):
+def test_a_run_that_does_not_beat_the_dressed_atom_baseline_fails(qm9_small, tmp_path):
     """An epoch at a learning rate of 1e-7 leave the network at its initial output: the
     run writes its final record, then fails instead of reporting its MAE as if all were
     well; optim.beat_baseline=false accepts it."""
     args = ("optim.lr=1e-7", "optim.epochs=1", "optim.schedule=constant")
     with pytest.raises(TrainingError, match=r"does not beat the dressed-atom baseline"):
-        train(load_config(None, tiny(store, tmp_path / "a", *args)))
+        train(load_config(None, tiny(qm9_small, tmp_path / "a", *args)))
     (final,) = read_records(tmp_path / "a/metrics.jsonl", "final")
     assert final["test_mae"] >= final["baseline_test_mae"]
     accepted = train(
-        load_config(None, tiny(store, tmp_path / "b", *args, "optim.beat_baseline=false"))
+        load_config(None, tiny(qm9_small, tmp_path / "b", *args, "optim.beat_baseline=false"))
     )
     assert accepted["test_mae"] == final["test_mae"]

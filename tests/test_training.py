@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, TRAIN_PY, qm9_rows, qm9_smoke_overrides
+from helpers import ROOT, TRAIN_PY, qm9_smoke_overrides
 
 from schnet_ipu.config import ConfigError, load_config
 from schnet_ipu.evaluation import evaluate_run, predict_run
@@ -19,14 +19,9 @@ from schnet_ipu.runlog import read_records
 from schnet_ipu.training import TrainingError, train
 
 
-@pytest.fixture(scope="module")
-def store(tmp_path_factory) -> Path:
-    return qm9_rows(tmp_path_factory.mktemp("qm9"), limit=400)
-
-
-def tiny(store: Path, run_dir: Path, *extra: str) -> list[str]:
+def tiny(qm9_small: Path, run_dir: Path, *extra: str) -> list[str]:
     return qm9_smoke_overrides(
-        store,
+        qm9_small,
         run_dir,
         "data.subset=0",  # over configs/qm9_quickstart.yaml's 16000
         "model.k=8",
@@ -41,10 +36,12 @@ def weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return torch.load(run_dir / "checkpoints/last.pt", weights_only=False)["model"]
 
 
-def test_run_directory_contract(store, tmp_path):
+def test_run_directory_contract(qm9_small, tmp_path):
     run_dir = tmp_path / "run"
     one = ["backend.replicas=1", "backend.compile=false"]  # the contract of one process
-    final = train(load_config(ROOT / "configs/qm9_quickstart.yaml", [*tiny(store, run_dir), *one]))
+    final = train(
+        load_config(ROOT / "configs/qm9_quickstart.yaml", [*tiny(qm9_small, run_dir), *one])
+    )
     records = read_records(run_dir / "metrics.jsonl")
     kinds = [r["kind"] for r in records]
     assert kinds.count("epoch") == 2 and kinds.count("final") == 1 and "step" in kinds
@@ -74,13 +71,13 @@ def test_run_directory_contract(store, tmp_path):
     assert all(float(r["target"]) < -40 for r in rows)
 
 
-def test_ctrl_c_checkpoints_and_resume_matches_an_uninterrupted_run(store, tmp_path):
-    overrides = tiny(store, tmp_path / "whole", "optim.epochs=3")
+def test_ctrl_c_checkpoints_and_resume_matches_an_uninterrupted_run(qm9_small, tmp_path):
+    overrides = tiny(qm9_small, tmp_path / "whole", "optim.epochs=3")
     train(load_config(None, overrides))
     reference = weights(tmp_path / "whole")
 
     interrupted = tmp_path / "interrupted"
-    command = [*TRAIN_PY, *tiny(store, interrupted, "optim.epochs=3")]
+    command = [*TRAIN_PY, *tiny(qm9_small, interrupted, "optim.epochs=3")]
     process = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True)
     metrics = interrupted / "metrics.jsonl"
     deadline = time.monotonic() + 120
@@ -92,7 +89,7 @@ def test_ctrl_c_checkpoints_and_resume_matches_an_uninterrupted_run(store, tmp_p
     saved = torch.load(interrupted / "checkpoints/last.pt", weights_only=False)
     assert (saved["epoch"], saved["call"]) < (3, 0)
 
-    train(load_config(None, tiny(store, interrupted, "optim.epochs=3")))  # resumes
+    train(load_config(None, tiny(qm9_small, interrupted, "optim.epochs=3")))  # resumes
     resumed = weights(interrupted)
     for name, value in reference.items():
         assert torch.allclose(resumed[name], value, rtol=0, atol=1e-6), name
@@ -100,11 +97,11 @@ def test_ctrl_c_checkpoints_and_resume_matches_an_uninterrupted_run(store, tmp_p
     assert epochs == [0, 1, 2]
 
 
-def test_ctrl_c_during_validation_finishes_the_epoch_then_stops(store, tmp_path, monkeypatch):
+def test_ctrl_c_during_validation_finishes_the_epoch_then_stops(qm9_small, tmp_path, monkeypatch):
     """Ctrl-C outside the training loop (here: in validation) is a stop request too: the
     epoch ends with its record and checkpoint, the run exits 130 without a traceback, and a
     re-run resumes to the weights of an uninterrupted run."""
-    train(load_config(None, tiny(store, tmp_path / "whole", "optim.epochs=2")))
+    train(load_config(None, tiny(qm9_small, tmp_path / "whole", "optim.epochs=2")))
     reference = weights(tmp_path / "whole")
 
     from schnet_ipu import training
@@ -120,7 +117,7 @@ def test_ctrl_c_during_validation_finishes_the_epoch_then_stops(store, tmp_path,
     run_dir = tmp_path / "interrupted"
     monkeypatch.setattr(training, "evaluate", interrupted_once)
     try:  # a KeyboardInterrupt escaping the run would be the bug: catch it to fail cleanly
-        train(load_config(None, tiny(store, run_dir, "optim.epochs=2")))
+        train(load_config(None, tiny(qm9_small, run_dir, "optim.epochs=2")))
         stopped = None
     except BaseException as err:
         stopped = err
@@ -130,52 +127,54 @@ def test_ctrl_c_during_validation_finishes_the_epoch_then_stops(store, tmp_path,
     assert [r["epoch"] for r in read_records(run_dir / "metrics.jsonl", "epoch")] == [0]
 
     monkeypatch.setattr(training, "evaluate", evaluate)
-    train(load_config(None, tiny(store, run_dir, "optim.epochs=2")))  # resumes
+    train(load_config(None, tiny(qm9_small, run_dir, "optim.epochs=2")))  # resumes
     for name, value in reference.items():
         assert torch.allclose(weights(run_dir)[name], value, rtol=0, atol=1e-6), name
 
 
-def test_another_configs_run_directory_is_refused(store, tmp_path):
+def test_another_configs_run_directory_is_refused(qm9_small, tmp_path):
     run_dir = tmp_path / "run"
-    train(load_config(None, tiny(store, run_dir, "optim.epochs=1")))
+    train(load_config(None, tiny(qm9_small, run_dir, "optim.epochs=1")))
     with pytest.raises(ConfigError, match=r"another config \(model\.hidden_channels: 16"):
-        train(load_config(None, tiny(store, run_dir, "model.hidden_channels=32")))
+        train(load_config(None, tiny(qm9_small, run_dir, "model.hidden_channels=32")))
     # --fresh discards it
     train(
-        load_config(None, tiny(store, run_dir, "model.hidden_channels=32", "optim.epochs=1")),
+        load_config(None, tiny(qm9_small, run_dir, "model.hidden_channels=32", "optim.epochs=1")),
         fresh=True,
     )
 
 
-def test_a_run_saved_before_new_config_keys_resumes(store, tmp_path):
+def test_a_run_saved_before_new_config_keys_resumes(qm9_small, tmp_path):
     run_dir = tmp_path / "run"
-    train(load_config(None, tiny(store, run_dir, "optim.epochs=1")))
+    train(load_config(None, tiny(qm9_small, run_dir, "optim.epochs=1")))
     last = run_dir / "checkpoints/last.pt"
     saved = torch.load(last, weights_only=False)
     for key in [k for k in saved["config"]["optim"] if k.startswith("spike_")]:
         del saved["config"]["optim"][key]  # as saved before the divergence guard existed
     del saved["guard"]
     torch.save(saved, last)
-    train(load_config(None, tiny(store, run_dir, "optim.epochs=2")))  # resumes, not refused
+    train(load_config(None, tiny(qm9_small, run_dir, "optim.epochs=2")))  # resumes, not refused
     assert [r["epoch"] for r in read_records(run_dir / "metrics.jsonl", "epoch")] == [0, 1]
 
 
-def test_non_finite_loss_stops_and_names_the_step(store, tmp_path):
+def test_non_finite_loss_stops_and_names_the_step(qm9_small, tmp_path):
     run_dir = tmp_path / "run"
     guard_off = "optim.spike_guard=false"  # with it, tests/test_guard.py
-    cfg = load_config(None, tiny(store, run_dir, "optim.lr=1e12", "optim.grad_clip=0", guard_off))
+    cfg = load_config(
+        None, tiny(qm9_small, run_dir, "optim.lr=1e12", "optim.grad_clip=0", guard_off)
+    )
     with pytest.raises(TrainingError, match=r"non-finite loss .* at epoch 0, step \d+"):
         train(cfg)
     assert not (run_dir / "checkpoints/last.pt").exists()
 
 
-def test_losses_read_every_log_every_calls_equal_the_per_step_losses(store, tmp_path):
+def test_losses_read_every_log_every_calls_equal_the_per_step_losses(qm9_small, tmp_path):
     """Losses stay on the device between reads; reading every 3 calls (and at the epoch end)
     gives the same step and epoch losses as reading after every call."""
     runs = {}
     for every in (1, 3):
         run_dir = tmp_path / f"every{every}"
-        overrides = tiny(store, run_dir, "optim.epochs=1", f"logging.log_every={every}")
+        overrides = tiny(qm9_small, run_dir, "optim.epochs=1", f"logging.log_every={every}")
         train(load_config(None, overrides))
         runs[every] = read_records(run_dir / "metrics.jsonl")
     each = {r["call"]: r["loss"] for r in runs[1] if r["kind"] == "step"}
@@ -187,25 +186,31 @@ def test_losses_read_every_log_every_calls_equal_the_per_step_losses(store, tmp_
     assert epoch_sparse == epoch_each
 
 
-def test_data_aware_config_errors(store, tmp_path):
+def test_data_aware_config_errors(qm9_small, tmp_path):
     with pytest.raises(ConfigError, match=r"max_nodes"):
-        train(load_config(None, tiny(store, tmp_path / "a", "packing.max_nodes=10", "model.k=4")))
+        train(
+            load_config(None, tiny(qm9_small, tmp_path / "a", "packing.max_nodes=10", "model.k=4"))
+        )
     with pytest.raises(ConfigError, match=r"lower backend\.replicas"):
-        train(load_config(None, tiny(store, tmp_path / "b", "backend.gradient_accumulation=500")))
+        train(
+            load_config(None, tiny(qm9_small, tmp_path / "b", "backend.gradient_accumulation=500"))
+        )
 
 
-def test_two_replicas_train_with_one_merged_allreduce(store, tmp_path):
+def test_two_replicas_train_with_one_merged_allreduce(qm9_small, tmp_path):
     run_dir = tmp_path / "run"
-    final = train(load_config(None, tiny(store, run_dir, "optim.epochs=1", "backend.replicas=2")))
+    final = train(
+        load_config(None, tiny(qm9_small, run_dir, "optim.epochs=1", "backend.replicas=2"))
+    )
     step = read_records(run_dir / "metrics.jsonl", "step")[0]
     assert step["replicas"] == 2 and step["collectives_per_step"] == 1
     assert final["test_molecules"] == 60  # both replicas' shares, each molecule once
 
 
-def test_ipu_model_emulates_four_replicas_in_one_process(store, tmp_path):
+def test_ipu_model_emulates_four_replicas_in_one_process(qm9_small, tmp_path):
     """backend.device=ipu-model without PopTorch: one process feeds 4 replicas per call."""
     run_dir = tmp_path / "run"
-    overrides = tiny(store, run_dir, "optim.epochs=1", "backend.device=ipu-model")
+    overrides = tiny(qm9_small, run_dir, "optim.epochs=1", "backend.device=ipu-model")
     final = train(load_config(None, [*overrides, "backend.replicas=4"]))
     step = read_records(run_dir / "metrics.jsonl", "step")[0]
     assert step["replicas"] == 4 and step["collectives_per_step"] == 1
