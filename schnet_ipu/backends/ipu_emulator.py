@@ -44,7 +44,7 @@ from torch import Tensor, nn
 
 from schnet_ipu.backends.distributed import trainable_grads, unflatten_into
 from schnet_ipu.backends.poptorch_ops import check_poptorch_ops
-from schnet_ipu.backends.torch_backend import LossFn, ShapeGuard
+from schnet_ipu.backends.torch_backend import LossFn, ShapeGuards
 from schnet_ipu.batch import Batch
 from schnet_ipu.config import ConfigError
 
@@ -163,14 +163,13 @@ class IpuEmulatorBackend:
         self.device_iterations = device_iterations
         self.gradient_accumulation = gradient_accumulation
         self.grad_clip = grad_clip
-        self._train_guard = ShapeGuard("training")
-        self._predict_guard = ShapeGuard("prediction")
+        self._shapes = ShapeGuards()
         self._unchecked = {"train", "predict"}  # the first of each runs under the op check
         wrap_buffers(model)
 
     @property
     def recompilations(self) -> int:
-        return self._train_guard.recompilations + self._predict_guard.recompilations
+        return self._shapes.recompilations
 
     @property
     def graph_captures(self) -> int:
@@ -193,7 +192,7 @@ class IpuEmulatorBackend:
                 f"got {len(micro_batches)}"
             )
         for batch in micro_batches:
-            self._train_guard.check(batch)
+            self._shapes.training.check(batch)
         self.model.train()
         records = []
         for step in range(steps):
@@ -229,7 +228,7 @@ class IpuEmulatorBackend:
     @torch.no_grad()
     def predict(self, batch: Batch) -> Tensor:
         """Predictions [G] for one batch, computed once, in eval mode."""
-        self._predict_guard.check(batch)
+        self._shapes.prediction.check(batch)
         self.model.eval()
         with unwrapped_buffers(self.model):
             return self._run("predict", lambda: self.model(batch), batch)

@@ -52,7 +52,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from schnet_ipu.backends.distributed import ReplicaInfo
-from schnet_ipu.backends.torch_backend import LossFn, ShapeGuard
+from schnet_ipu.backends.torch_backend import LossFn, ShapeGuards
 from schnet_ipu.batch import Batch
 from schnet_ipu.config import BackendConfig
 
@@ -223,12 +223,11 @@ class PoptorchBackend:
         self.replicas = self.options.replication_factor  # this instance's replicas
         self._train: poptorch.PoplarExecutor | None = None
         self._predict: poptorch.PoplarExecutor | None = None
-        self._train_guard = ShapeGuard("training")
-        self._predict_guard = ShapeGuard("prediction")
+        self._shapes = ShapeGuards()
 
     @property
     def recompilations(self) -> int:
-        return self._train_guard.recompilations + self._predict_guard.recompilations
+        return self._shapes.recompilations
 
     @property
     def graph_captures(self) -> int:
@@ -261,7 +260,7 @@ class PoptorchBackend:
                 f"{expected} micro-batches, got {len(micro_batches)}"
             )
         for batch in micro_batches:
-            self._train_guard.check(batch)
+            self._shapes.training.check(batch)
         self._build(micro_batches[0])
         _swap_onto_device(self._predict, self._train)
         _, losses = self._train(*to_device_tuple(micro_batches))
@@ -282,7 +281,7 @@ class PoptorchBackend:
 
     def predict(self, batch: Batch) -> Tensor:
         """Predictions [G] for one batch, computed once on one IPU."""
-        self._predict_guard.check(batch)
+        self._shapes.prediction.check(batch)
         self._build(batch)
         _swap_onto_device(self._train, self._predict)
         return self._predict(*to_device_tuple([batch]))

@@ -74,6 +74,19 @@ class ShapeGuard:
         )
 
 
+class ShapeGuards:
+    """A backend's two guards: one for training steps, one for predictions (each compiled
+    once for its own shape)."""
+
+    def __init__(self) -> None:
+        self.training = ShapeGuard("training")
+        self.prediction = ShapeGuard("prediction")
+
+    @property
+    def recompilations(self) -> int:
+        return self.training.recompilations + self.prediction.recompilations
+
+
 def _describe(entry: tuple | None) -> str:
     if entry is None:
         return "absent"
@@ -148,8 +161,7 @@ class TorchBackend:
         if compile:  # forward + loss as one graph; AOTAutograd compiles its backward with it
             self._compiled_loss = torch.compile(loss_fn, dynamic=False, backend=self._count_graphs)
             self._run_model = torch.compile(model, dynamic=False, backend=self._count_graphs)
-        self._train_guard = ShapeGuard("training")
-        self._predict_guard = ShapeGuard("prediction")
+        self._shapes = ShapeGuards()
         self._collectives = 0
         self._shared_reduction = None
         if self.replica.world_size > 1:
@@ -170,7 +182,7 @@ class TorchBackend:
     @property
     def recompilations(self) -> int:
         """Batches rejected because their shapes differed from the first (train + predict)."""
-        return self._train_guard.recompilations + self._predict_guard.recompilations
+        return self._shapes.recompilations
 
     @property
     def collectives_per_step(self) -> int:
@@ -191,7 +203,7 @@ class TorchBackend:
                 f" = {steps * accum} micro-batches, got {len(micro_batches)}"
             )
         for batch in micro_batches:
-            self._train_guard.check(batch)
+            self._shapes.training.check(batch)
         self.model.train()
         records = []
         for step in range(steps):
@@ -245,7 +257,7 @@ class TorchBackend:
     @torch.no_grad()
     def predict(self, batch: Batch) -> Tensor:
         """Predictions [G] for one batch, in eval mode, returned on the host."""
-        self._predict_guard.check(batch)
+        self._shapes.prediction.check(batch)
         self.model.eval()
         batch = self._to_device(batch)
         with self._matmul_precision(), self._autocast():
