@@ -1,24 +1,12 @@
 """``python -m schnet_ipu.bench SUITE [--quick] [--json PATH] [--out-dir DIR] [--store PATH]``.
 
-Suites: throughput (training molecules/s, ours against stock PyG SchNet), batching (every
-packing algorithm and the static/dynamic baselines), loader (the feed alone against PyG's
-DataLoader), model (forward+backward against PyG's SchNet), gpu (full QM9 epochs against
-stock PyG on a GPU), dense (dense vs sparse message passing), balance (cost-model grouping
-across replicas), calculator (a model file in use: ASE calculator and exported-file latency,
-MD steps per second), accuracy (test MAE after ``--minutes`` of training against stock PyG
-SchNet), forces (energy + force training for ``--minutes`` on a force config's frames, ours
-against schnetpack 2.1.1), force_step (force against energy-only step time on a force
-config), periodic (neighbour-list builders; periodic against molecular steps).
-
-Options some suites take (another suite refuses them): ``--device`` (gpu: cuda or cpu),
-``--subset N`` (gpu, accuracy: molecules; 0 = all), ``--molecules-per-step N`` (gpu),
-``--profile`` (gpu: top kernels per step), ``--minutes M`` (accuracy 10, forces 1.5),
-``--set section.key=value`` (gpu, forces, force_step; repeatable), ``--config C`` (forces,
-force_step), ``--variant`` (repeatable; forces: ``'NAME: key=value ...'``, another row of
-ours; gpu: a step variant of ``gpu.VARIANTS``, all of them by default),
-``--parallel N`` (forces: sides at a time, 2). Each suite prints a table and writes
-``SUITE.json``, ``SUITE.md`` and ``SUITE.png`` in ``--out-dir``; the report records the
-command that made it.
+Suites (each module's docstring says what it measures): throughput, batching, loader, model,
+gpu, dense, balance, calculator, accuracy, forces, force_step, periodic. Suite options
+(another suite refuses them): ``--device`` (gpu), ``--subset N`` (gpu, accuracy),
+``--molecules-per-step N`` and ``--profile`` (gpu), ``--minutes M`` (accuracy, forces),
+``--set section.key=value`` (gpu, forces, force_step), ``--config C`` (forces, force_step),
+``--variant`` (forces: ``'NAME: key=value ...'``; gpu: a name of ``gpu.VARIANTS``),
+``--parallel N`` (forces). Each writes ``SUITE.json``, ``.md`` and ``.png`` in ``--out-dir``.
 """
 
 from __future__ import annotations

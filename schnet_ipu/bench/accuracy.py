@@ -2,21 +2,10 @@
 
     python -m schnet_ipu.bench accuracy --minutes 10 [--json out.json] [--out-dir DIR]
 
-One after the other on the same machine, in one process tree, on the same split of the
-same store (full QM9 U0 by default; ``--subset N`` for a sample) with the same model size
-(``configs/qm9.yaml``'s model section):
-
-* ours: ``configs/qm9.yaml`` with ``optim.max_minutes=M`` (its recipe: schedule, EMA,
-  molecules per step), trained by ``train.py``'s own loop; test MAE of its best-validation
-  weights from the final record, validation MAE against the budget's seconds from
-  ``metrics.jsonl``;
-* stock PyG: ``torch_geometric.nn.models.SchNet`` (radius graph in plain torch, targets
-  standardised by its ``mean``/``std`` per atom), ``DataLoader`` batches of 32, Adam 1e-3
-  with a cosine over the M minutes, validated every M x 3 s (20 points), the
-  best-validation weights tested at the end.
-
-The report holds each side's test MAE, molecules seen, epochs and the validation MAE
-against elapsed seconds, and draws them (``accuracy_vs_time.png`` in ``--out-dir``).
+One after the other, on the same split and model size (``configs/qm9.yaml``): ours with
+``optim.max_minutes=M``; stock PyG SchNet with batches of 32, Adam 1e-3 on a cosine over the
+M minutes, validated 20 times, its best-validation weights tested. ``accuracy_vs_time.png``
+draws the validation curves.
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """Cost-model grouping across replicas: 2 CPU replicas (gloo), round-robin vs cost model.
 
-Per data set and batching, the epoch's batches (every molecule once) are built the same way
-on every replica, and each replica trains SchNet on its share: forward+backward timed per
-step, then one gloo all-reduce of the merged gradients and an Adam step. Epochs alternate
-between the round-robin schedule and the cost-model schedule after one warm-up epoch and one
-calibration epoch (round-robin on batches of 8, 16 and 64 molecules, whose measured steps
-fit ``a*atoms + b*edges + c``).
-
-* ``dynamic``: the dynamic-batching baseline's batches (greedy fill to ``batch`` molecules
-  within an atom/edge budget), each run at its own shape (no padding): shapes differ.
-* ``packs``: tuple packing, fixed-shape batches of about ``batch`` molecules.
-
-Columns: ``straggler`` = mean over steps of (slowest replica's fwd+bwd / mean replica's);
-``predicted_straggler`` the same from the cost model (an idle slot in the epoch's last step
-counts as 0); ``epoch_s`` = wall time of an epoch (median over epochs); ``r2_fit`` = R^2 on
-the calibration steps, ``r2_predict`` = R^2 of the model's predictions of the measured steps
-of the timed epochs.
+Per data set and batching (``dynamic``: the dynamic-batching baseline at its own shapes;
+``packs``: tuple packing) every replica trains SchNet on its share of one epoch's batches.
+After a warm-up and a calibration epoch (batches of 8, 16 and 64 molecules fit
+``a*atoms + b*edges + c``), round-robin and cost-model epochs alternate. ``straggler``:
+mean over steps of slowest / mean replica fwd+bwd (``predicted_``: by the cost model);
+``r2_fit`` / ``r2_predict``: R^2 on the calibration / timed steps.
 """
 
 from __future__ import annotations
@@ -246,16 +236,10 @@ def run_balance(
             rows["round_robin"]["epoch_s"] / rows["cost_model"]["epoch_s"]
         )
     notes = [
-        f"{REPLICAS} CPU replicas (processes, 1 thread each, gloo all-reduce of merged "
-        f"gradients per step), SchNet {size.hidden_channels} features x "
-        f"{size.num_interactions} interactions, radius graph (cutoff {size.cutoff}), about "
-        f"{batch} molecules per batch; QM9: {len(qm9_index)} molecules; water: "
-        f"{water_clusters} synthetic clusters of {water_sizes[0]}-{water_sizes[1]} waters.",
-        f"After a warm-up and a calibration epoch, {epochs} round-robin and {epochs} "
-        "cost-model epochs alternate; medians over epochs.",
-        "The cost model is fitted on the calibration steps of both replicas (batches of 8, 16 "
-        "and 64 molecules; computed atoms and edges of each batch); r2_predict scores it on "
-        "the timed epochs of that schedule.",
+        f"{REPLICAS} CPU replicas (1 thread each, gloo all-reduce per step), SchNet "
+        f"{size.hidden_channels}x{size.num_interactions}, radius {size.cutoff}, about {batch} "
+        f"molecules per batch; QM9 {len(qm9_index)} molecules, water {water_clusters} "
+        f"clusters of {water_sizes[0]}-{water_sizes[1]}; {epochs} epochs per schedule; medians.",
     ]
     return new_report("balance", results, ratios, notes)
 

@@ -188,18 +188,12 @@ def run_batching(
             best[f"{dataset}_{batch}_tuple_vs_pad_to_max"] = rate["tuple"] / rate["pad_to_max"]
             best[f"{dataset}_{batch}_lpfhp_vs_dynamic"] = rate["lpfhp"] / rate["dynamic"]
     notes = [
-        f"QM9: {len(qm9_index)} molecules (fixed random sample); water: {water_clusters} "
-        f"synthetic TIP3P clusters of {water_sizes[0]}-{water_sizes[1]} waters.",
-        "batch = molecules per batch (packers: packs per batch chosen to match on average).",
-        f"step_ms: forward+backward of SchNet ({size.hidden_channels} features, "
-        f"{size.num_interactions} interactions, radius graph, cutoff {size.cutoff}, "
-        f"pair-symmetric filters) on a real batch of each of the {max_shapes} most frequent "
-        f"shapes, median of {repeats} rounds (every batch once per round, after a warm-up "
-        "round), weighted by how often each shape occurs; timed_coverage = share of the "
-        "epoch's batches with a timed shape.",
-        "lpfhp packs atoms only, so its edge room is the fullest pack's edges.",
-        "Eager CPU execution does not recompile; distinct_shapes is what a static-shape "
-        "compiler (IPU, torch.compile without dynamic shapes) would compile.",
+        f"QM9: {len(qm9_index)} molecules (fixed sample); water: {water_clusters} clusters of "
+        f"{water_sizes[0]}-{water_sizes[1]}; batch = molecules per batch.",
+        f"step_ms: fwd+bwd of SchNet {size.hidden_channels}x{size.num_interactions} (radius "
+        f"{size.cutoff}) on a real batch of the {max_shapes} most frequent shapes, median of "
+        f"{repeats} rounds, weighted by shape frequency (timed_coverage: the share covered); "
+        "lpfhp's edge room is its fullest pack's; distinct_shapes = static-shape compiles.",
     ]
     return new_report("batching", results, best, notes)
 

@@ -1,20 +1,11 @@
 """Using a trained model: calculator and exported-file latency, and MD steps per second.
 
-    python -m schnet_ipu.bench calculator [--quick] [--json out.json]
-
-Two models with random weights, written as checkpoint files, both with the tabulated filter
-(``model.filter=table``): the paper's (``configs/qm9.yaml``: 100 features, 4 blocks, 25
-Gaussians, 6 A) on H/C/N/O molecules of 20 and 200 atoms (a jittered grid, 1.45 A apart),
-and ``configs/emt_bulk.yaml``'s (64 features, 3 blocks, 5 A) on periodic fcc copper cells
-of 20, 200, 1,000 and 10,000 atoms and water boxes (1 g/cm^3) of about 1,000 and 10,000.
-Each is used the ways users do: :class:`~schnet_ipu.calculator.SchNetCalculator` (float32,
-float64) and the TorchScript file of ``train.py export`` (float32, float64; given float64
-positions, as engines pass them), measured in interleaved rounds (one call of each per
-round, so a load change on the shared box hits all four alike); latency is the median
-energy + forces (+ stress for cells) call on moved positions (no cached results). MD steps
-per second: ASE's velocity Verlet (1 fs) through the calculator. Every row carries the
-1-minute load average when it was measured. Weights do not change the arithmetic, so random
-ones measure what a trained model costs.
+Two random-weight checkpoints with the tabulated filter: the paper's (``configs/qm9.yaml``)
+on H/C/N/O molecules of 20 and 200 atoms, and ``configs/emt_bulk.yaml``'s on periodic fcc
+copper (20 to 10,000 atoms) and water boxes. Each is called as
+:class:`~schnet_ipu.calculator.SchNetCalculator` and as the ``train.py export`` TorchScript
+file, float32 and float64, in interleaved rounds on moved positions: the median energy +
+forces (+ stress) call; MD steps per second through ASE's velocity Verlet (1 fs).
 """
 
 from __future__ import annotations
@@ -212,13 +203,9 @@ def run(quick: bool, store: str | Path, structures: list | None = None) -> dict:
                 print(results[-1], flush=True)
     notes = [
         "models: configs/qm9.yaml (molecules) and configs/emt_bulk.yaml (cells), filter=table,"
-        f" random weights; torch threads {torch.get_num_threads()}",
-        "ms_per_call: median energy + forces (+ stress for cells) call, positions moved by "
-        "1e-3 A each call, calculator and export interleaved round by round",
-        "exported: the train.py export file (its own torch-ops neighbour search), float64 "
-        "positions in",
-        "md_steps_per_s: ASE VelocityVerlet, 1 fs, through the calculator",
-        f"structures under {ONE_THREAD_ATOMS} atoms run on one intra-op thread (both ways)",
-        "load_avg: the 1-minute load average after the row's rounds (shared 2-core box)",
+        f" random weights; torch threads {torch.get_num_threads()}; positions moved 1e-3 A "
+        "a call; exported: float64 positions in, its own neighbour search",
+        f"under {ONE_THREAD_ATOMS} atoms both run on one intra-op thread; load_avg: 1-minute "
+        "load after the row's rounds",
     ]
     return new_report("calculator", results, {}, notes)

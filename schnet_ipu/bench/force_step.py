@@ -2,13 +2,9 @@
 
     python -m schnet_ipu.bench force_step [--config configs/emt_forces.yaml] [--set key=value]
 
-Builds the run's trainer six times on the same batches: energy only (torch flavour), energy
-+ forces (torch flavour: custom autograd functions with double backward), energy + forces
-through plain ops (the ipu flavour, which autograd differentiates twice by itself), the
-first two with the tabulated filter (``model.filter=table``), and the energy-only table step
-compiled (``backend.compile``). The steps are timed in interleaved rounds (the common
-timer), so load from other processes hits all alike: the median milliseconds per step and
-the ratios to energy-only (exact filter).
+The run's trainer on the same batches for every ``VARIANTS`` entry (force weight, op
+flavour, filter, compile), timed in interleaved rounds: median ms per step and the ratios
+to energy-only.
 """
 
 from __future__ import annotations

@@ -4,27 +4,13 @@
         [--set section.key=value ...] [--variant "NAME: key=value key=value" ...]
         [--parallel 2] [--out-dir DIR]
 
-On the frames of a force config (``data.files``, imported into its store; the store's split,
-so both sides train, validate and test on the same frames), with the config's model size:
-
-* ours: the config with ``optim.max_minutes=M`` (its recipe: packs per batch, learning rate
-  and schedule, force weight, EMA), trained by ``train.py``'s own loop; test errors of its
-  best-validation weights from the final record;
-* schnetpack 2.1.1: its SchNet of the same size with its stock MD17-style recipe, trained by
-  its own Lightning loop for M minutes (:mod:`schnet_ipu.bench.schnetpack_side`);
-* ``--variant``: more rows of ours, the config with the variant's overrides on top (the
-  recipe search).
-
-The sides run as separate processes, ``--parallel`` at a time (default 2: schnetpack and ours
-start together and share the machine's load alike; 1 runs them one after the other), one
-torch thread each. Every row reports training structures/s, test energy MAE (meV/atom and eV
-per structure) and test force MAE (eV/A per component), with the machine's 1-minute load
-average at the end of its wave; the ratios are ours (the config, no variant) over schnetpack;
-``forces_vs_time.png`` in ``--out-dir`` draws the validation errors against seconds of
-training, both sides.
-
-schnetpack is a bench-only extra (``pip install -e .[bench]``): without it the suite stops
-with one line saying so, before any work. Nothing in the tests imports it.
+On a force config's frames and split, same model size: ours (the config with
+``optim.max_minutes=M``, ``train.py``'s loop), schnetpack with its stock MD17-style recipe
+(:mod:`schnet_ipu.bench.schnetpack_side`) and ``--variant`` rows of ours (the config plus
+the variant's overrides). Sides run as processes, ``--parallel`` at a time, one torch thread
+each; rows: structures/s, test energy and force MAE, the 1-minute load average of their
+wave; ``forces_vs_time.png`` draws the validation curves. schnetpack is a bench-only extra
+(``pip install -e .[bench]``); without it the suite stops with one line.
 """
 
 from __future__ import annotations
@@ -37,7 +23,6 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from schnet_ipu.bench.common import ROOT, curve_plot, new_report, ratio, train_for
 from schnet_ipu.config import Config, load_config
@@ -211,16 +196,11 @@ def run(
     split = {name: len(index) for name, index in data.split.items()}
     notes = [
         f"{minutes} min each on {cfg.data.files} ({split}), {parallel} side(s) at a time, "
-        f"one torch thread each; torch {torch.__version__}",
-        f"model: {cfg.model.hidden_channels} features, {cfg.model.num_filters} filters, "
-        f"{cfg.model.num_interactions} interactions, {cfg.model.num_gaussians} Gaussians, "
-        f"cutoff {cfg.model.cutoff} A; ours filter={cfg.model.filter}",
+        f"one torch thread each; model {cfg.model.hidden_channels}/{cfg.model.num_filters}/"
+        f"{cfg.model.num_interactions}/{cfg.model.num_gaussians}, cutoff {cfg.model.cutoff}",
         f"ours: {config} {' '.join(overrides or [])}; packs_per_batch "
         f"{cfg.packing.packs_per_batch}, lr {cfg.optim.lr} {cfg.optim.schedule}, forces_weight "
-        f"{cfg.optim.forces_weight}, ema_decay {cfg.optim.ema_decay}",
-        f"schnetpack: {stock['recipe']}",
-        "structures/s: training structures over seconds of training steps (data included, "
-        "validation not); errors: best-validation weights on the test split",
-        f"forces_vs_time.png in {out}: validation errors against minutes of training",
+        f"{cfg.optim.forces_weight}, ema_decay {cfg.optim.ema_decay}; schnetpack: "
+        f"{stock['recipe']}; errors: best-validation weights on the test split",
     ]
     return new_report("forces", rows, ratios, notes)

@@ -1,22 +1,12 @@
-"""Full QM9 training epochs on one GPU: ours (each precision, with and without a CUDA graph
-per step, and the faster step variants) against stock PyG SchNet on PyG's DataLoader, side by
-side in one process.
+"""Full QM9 training epochs on one GPU: ours (each precision, eager and a CUDA graph per
+step, and the tf32 step ``VARIANTS``) against stock PyG SchNet, side by side in one process.
 
     python -m schnet_ipu.bench gpu --json docs/benchmarks/gpu-h100.json --profile
     python -m schnet_ipu.bench gpu --device cpu --subset 300 --quick   # a smoke run on a CPU
 
-The step variants (``VARIANTS``, tf32 with a CUDA graph per step): ``compiled``
-(``backend.compile=true``: inductor's forward + loss + backward inside the captured graph),
-``fused`` (``model.ops=triton``: the Triton message-passing kernels) and ``table`` (the
-tabulated filter, ``model.filter=table``, read by the Triton kernels) and ``compiled fused``
-(both: inductor around the kernels). ``--profile`` adds a
-torch profiler table of the top kernels per step of every variant of ours.
-
-Every variant trains the paper model (configs/qm9.yaml: 100 features, 4 interactions,
-25 Gaussians, cutoff 6 A, Adam 1e-3) on the same training split. Round 0 is an untimed
-warm-up epoch of every variant (graph capture, cuBLAS set-up, caches); then each round
-times one full epoch of each variant in turn, so a change in the machine's load hits every
-variant alike. Medians over the rounds.
+Every variant trains configs/qm9.yaml's model on the same split: an untimed warm-up epoch of
+each, then rounds of one epoch of each in turn (the common timer); medians. ``--profile``:
+the top kernels per step of every variant of ours.
 """
 
 from __future__ import annotations
@@ -325,25 +315,17 @@ def notes(
     lines = [
         f"{len(data.split['train'])} QM9 training molecules"
         + (f" (a {subset}-molecule subset: NOT a full-epoch figure)" if subset else "")
-        + f", target {cfg.data.target}; SchNet {cfg.model.hidden_channels} features, "
-        f"{cfg.model.num_interactions} interactions, {cfg.model.num_gaussians} Gaussians, "
-        f"cutoff {cfg.model.cutoff}; Adam lr {cfg.optim.lr}, constant during the benchmark.",
+        + f", target {cfg.data.target}; SchNet {cfg.model.hidden_channels}/"
+        f"{cfg.model.num_interactions}/{cfg.model.num_gaussians}, cutoff {cfg.model.cutoff}; "
+        f"Adam lr {cfg.optim.lr}, constant.",
         f"Ours: {cfg.packing.packs_per_batch} packs of {plan.max_nodes} atoms / "
-        f"{plan.max_edges} edges / {plan.max_graphs} molecules per step (tuple packing, "
-        f"radius graph, pair-symmetric filters), {cfg.loader.workers} loader worker(s), "
-        f"batches assembled on {feed_device} (loader.device_resident="
-        f"{cfg.loader.device_resident}; from a CPU feed to CUDA: pinned, non-blocking "
-        "copies); the step losses are read once per epoch.",
-        f"Stock PyG: torch_geometric.nn.models.SchNet with its DataLoader (shuffle) on the "
-        f"same molecules and loss, torch's default Adam; radius graph: {pyg.RADIUS_BUILDER}.",
-        f"Timing: an untimed warm-up epoch of every variant, then {rounds} round(s) of one "
-        "epoch of each variant in turn; medians. data_fraction: share of our epoch spent "
-        "waiting for the loader. val_mae: validation MAE (eV) after the warm-up and timed "
-        "epochs (every variant of ours trains the same batches from the same initial weights, "
-        "so they differ by precision and rounding only). compiled_graphs_after_warmup: dynamo "
-        "graphs compiled after the warm-up epoch (0: no recompilation).",
-        "graph_recaptures: CUDA-graph captures after the first (the shape guard makes a "
-        "re-capture impossible: a changed shape raises instead).",
+        f"{plan.max_edges} edges / {plan.max_graphs} molecules per step, "
+        f"{cfg.loader.workers} loader worker(s), batches assembled on {feed_device}; losses "
+        f"read once per epoch. PyG: its DataLoader, same loss, radius graph {pyg.RADIUS_BUILDER}.",
+        f"Timing: a warm-up epoch, then {rounds} round(s) of one epoch of each; medians. "
+        "data_fraction: share of the epoch waiting for the loader; val_mae after the timed "
+        "epochs; compiled_graphs_after_warmup: dynamo graphs compiled later (0: none); "
+        "graph_recaptures: CUDA-graph captures after the first.",
     ]
     if not device.startswith("cuda"):
         lines.append(f"Run on {device}: CUDA-graph variants skipped; no GPU memory figures.")

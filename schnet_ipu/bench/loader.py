@@ -1,16 +1,7 @@
 """Loader-only molecules/s of ``configs/qm9.yaml``'s training loader, cold and warm, for
-every feed mode, side by side with stock PyG's DataLoader over the same molecules.
-
-Modes: in-process (workers 0), background threads (workers 1, 2), in-process with the
-torch program instead of numba's compiled loop (what runs where numba is missing, and what
-a GPU runs), and device-resident (the split's arrays on the training device: CUDA when
-present, else the CPU, where it is the in-process mode on the same tensors). Cold: the
-one-time radius-pair build of a fresh store copy, plus reading the store into the feed
-arrays, plus the first epoch; warm: the median of the next epochs. PyG:
-``torch_geometric.loader.DataLoader`` over ``Data`` objects read from the store, the radius
-graph built per molecule as a transform (pure torch; torch-cluster is not installed); cold
-includes reading the molecules into ``Data`` objects. Imports (torch, PyG, numba's loading
-of the compiled loop) are outside every row's timing.
+every feed mode (in-process, background threads, the torch program instead of numba's loop,
+device-resident), side by side with stock PyG's DataLoader over the same molecules (radius
+edges per molecule as a transform). Imports are outside every row's timing.
 """
 
 from __future__ import annotations
@@ -193,31 +184,14 @@ def run_loader(
         "pairs_build_seconds": pairs_s,
         "peak_rss_mb": peak_rss_mb(),
     }
+    no_numba = "" if compiled_feed.AVAILABLE else " (numba missing: all rows the torch program)"
     notes = [
-        f"configs/qm9.yaml training loader ({cfg.model.graph} graphs, cutoff "
-        f"{cfg.model.cutoff}, {cfg.packing.algorithm} packing, {cfg.packing.packs_per_batch} "
-        f"packs per batch) on {len(data.split['train'])} training molecules of {store}.",
-        f"Cold = radius-pair build of a fresh store copy ({pairs_s:.1f} s, paid once per store "
-        "and cutoff) + reading the store into feed arrays + the first epoch (which counts "
-        f"every batch's molecules); warm = the median of {WARM_EPOCHS} rounds in which every "
-        "mode and PyG run their next epoch in turn, iterating the loader alone (every epoch "
-        "holds every training molecule once).",
-        "workers = background threads assembling chunks of batches ahead (no processes).",
-        "CPU batches are filled by numba's compiled loop"
-        + (
-            "; the 'torch program' row fills them by the torch program instead (what runs "
-            "without numba, and on a GPU for device-resident data)."
-            if compiled_feed.AVAILABLE
-            else ": NOT here (numba is not installed): every row ran the torch program."
-        ),
-        f"device-resident ran on {device}{NO_GPU if device == 'cpu' else ''}.",
-        f"PyG: stock DataLoader, {reference['molecules']} of the same molecules, "
-        f"{max(1, round(per_batch))} per batch (ours' mean), radius graph per molecule by "
-        "schnet_ipu.data.radius_edges as a transform (torch-cluster is not installed).",
-        "feed_state_mb: the feed arrays plus the chunk memory kept for reuse (the chunks in "
-        "flight, where none is kept); rss_mb: this process after the mode's cold epoch "
-        "(earlier modes' loaders still held); peak_rss_mb: the whole run (prepare_data and "
-        "PyG included).",
+        f"configs/qm9.yaml's training loader on {len(data.split['train'])} molecules of "
+        f"{store}; cold = pair build ({pairs_s:.1f} s, once per store) + feed arrays + first "
+        f"epoch; warm = median of {WARM_EPOCHS} interleaved epochs; workers = threads{no_numba}.",
+        f"device-resident ran on {device}{NO_GPU if device == 'cpu' else ''}; PyG: "
+        f"{reference['molecules']} molecules, {max(1, round(per_batch))} per batch, radius "
+        "edges as a transform; feed_state_mb: feed arrays + chunk memory.",
     ]
     return new_report("loader", [*rows, reference], ratios, notes)
 

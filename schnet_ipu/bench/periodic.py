@@ -1,19 +1,10 @@
 """Periodic systems: neighbour-list builders side by side, and periodic against molecular steps.
 
-    python -m schnet_ipu.bench periodic [--quick]
-
-1. Neighbour lists. ``frames`` (100,000; quick 5,000) frames of 32 atoms (2x2x2
-   conventional fcc cells of Cu, a = 3.6 A, each under a random symmetric strain of up to 3%
-   and rattled by 0.05 A) are written to a store, and the periodic pairs file at 5 A is built
-   from it (:func:`~schnet_ipu.data.periodic_pairs.build_periodic_pairs`: vesin, canonical
-   half list, int8 shifts). The first ``compare`` (300; quick 100) frames are then listed frame by
-   frame by vesin, ``ase.neighborlist.neighbor_list`` and ``matscipy.neighbours.neighbour_list``
-   ("ijS", full lists), interleaved in rounds, and each is extrapolated to ``frames``.
-2. Step ratio. Batches of those frames (tuple packing) are trained on (energy + forces,
-   SchNet 64/64/3, one thread) as they are (periodic: shifts and cells) and with
-   ``edge_shift`` and ``cell`` removed (molecular: the same atoms, edges and shapes), in
-   interleaved rounds of ``steps`` (20; quick 10) steps: the median milliseconds per step
-   and their ratio.
+1. ``frames`` (100,000; quick 5,000) strained, rattled 32-atom fcc Cu cells are stored and
+   their periodic pairs file at 5 A built; the first ``compare`` frames are listed by vesin,
+   ASE and matscipy (if installed) in interleaved rounds, extrapolated to ``frames``.
+2. Energy + force training steps on batches of those frames with and without shifts and
+   cells (the same atoms, edges and shapes), interleaved: the median ms per step.
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
-"""Training molecules/s on QM9: ours packed and pad-to-max against stock PyG SchNet.
-
-All variants train the same SchNet size with Adam and the standardised loss on the same
-fixed sample of QM9 training molecules, about ``batch_molecules`` molecules per optimiser
-step; ours run the real pipeline (PackedLoader batches into ``TorchBackend.train_call``),
-PyG runs ``torch_geometric.nn.models.SchNet`` on a ``torch_geometric.loader.DataLoader``.
-"""
+"""Training molecules/s on QM9: ours (the real pipeline, packed and pad-to-max) against stock
+PyG SchNet, the same model size, loss and molecules, about ``batch_molecules`` per step."""
 
 from __future__ import annotations
 
@@ -108,20 +103,11 @@ def run_throughput(
     replicas: int = 2,
     table: bool = True,
 ) -> dict:
-    """Every variant side by side; ratios of the fastest packed one over PyG and padding.
-
-    ``padded``: the graphs run with pad-to-max batches; ``packed_vs_padded`` compares with
-    the fastest padded run of the fastest packed variant's graph (compiled or not), else the
-    fastest padded run. ``compile`` adds radius+tuple and its pad-to-max twin compiled with
-    ``torch.compile`` (compilation happens in the excluded warm-up; stock PyG stays eager).
-    ``replicas`` > 1 adds radius+tuple (compiled with ``compile``) as that many data-parallel
-    replica processes sharing the host's cores, with about ``batch_molecules`` molecules per
-    optimiser step over all of them. ``packed_vs_pyg`` uses the fastest packed variant;
-    ``single_process_vs_pyg`` the fastest one in one process, like stock PyG; and
-    ``packed_vs_padded`` compares single-process runs, so it measures the batching alone.
-    ``table`` adds the packed variants (and the compiled and replicated radius+tuple ones)
-    with ``model.filter=table`` (name suffix `` filter=table``).
-    """
+    """Every variant side by side. ``padded``: graphs also run pad-to-max; ``compile`` adds
+    radius+tuple and its pad-to-max twin through ``torch.compile`` (compiled in the warm-up;
+    PyG stays eager); ``replicas`` > 1 adds radius+tuple as that many data-parallel processes
+    sharing the cores and ``batch_molecules``; ``table`` adds ``model.filter=table`` twins.
+    Ratios: :func:`compare`."""
     size = size or ModelConfig()
     timing = timing or Timing(warmup=5, steps=10, repeats=10)
     results: dict[str, dict] = {}
@@ -171,28 +157,15 @@ def run_throughput(
         )
     ratios = compare(results)
     notes = [
-        f"{len(data.split['train'])} QM9 training molecules (fixed random sample), about "
-        f"{batch_molecules} molecules per optimiser step, Adam lr 1e-3, standardised MSE. "
-        "Ours uses the trainer's optimiser (torch's fused Adam kernel); stock PyG the "
-        "default torch.optim.Adam, as a PyG user gets out of the box.",
-        f"SchNet {size.hidden_channels} features, {size.num_interactions} interactions, "
-        f"{size.num_gaussians} Gaussians, cutoff {size.cutoff}; knn k={size.k}.",
-        f"Timing: {timing.warmup} warm-up steps excluded, then {timing.repeats} rounds in "
-        f"which each variant runs a window of {timing.steps} steps in turn (so load changes "
-        "hit all alike); medians over the rounds; loading is inside the timed windows. "
-        "*_per_round: the ratio within each round, to show the spread.",
-        f"Stock PyG radius graph: {pyg.RADIUS_BUILDER}; torch-cluster is not installed.",
-        "Replicated variant: R processes with 1/R of the torch threads each, each "
-        f"training about {batch_molecules}/R molecules per step; the merged gradient is "
-        "summed through shared memory (same-host CPU replicas), so "
-        "an optimiser step sees about as many molecules as every other variant. The other "
-        "variants and stock PyG run in one process with all torch threads. Packs hold whole "
-        "molecules, so ours trains 33-35 molecules per step where PyG trains 32 "
-        "(molecules_per_step).",
-        "Ours: PackedLoader (batches gathered a chunk at a time from the store's flat arrays "
-        f"and its pairs file; {workers} background thread(s)) feeding TorchBackend.train_call. "
-        "Both hold the training molecules in memory before timing: PyG as its list of Data "
-        "objects, ours as the feed arrays (see the loader suite).",
+        f"{len(data.split['train'])} QM9 training molecules (fixed sample), about "
+        f"{batch_molecules} per optimiser step (packs hold whole molecules: ours 33-35), Adam "
+        "1e-3 (ours fused, PyG torch's default), standardised MSE; both hold the molecules in "
+        f"memory. SchNet {size.hidden_channels}/{size.num_interactions}/{size.num_gaussians}, "
+        f"cutoff {size.cutoff}, knn k={size.k}; ours {workers} loader thread(s).",
+        f"Timing: {timing.warmup} warm-up steps, then {timing.repeats} rounds of "
+        f"{timing.steps} steps of each variant in turn; medians (*_per_round: each round's).",
+        f"Stock PyG radius graph: {pyg.RADIUS_BUILDER}. Replicas: R processes with 1/R of "
+        "the threads, gradients summed through shared memory.",
     ]
     return new_report("throughput", list(results.values()), ratios, notes)
 
