@@ -2,11 +2,12 @@
 
 Suites (each module's docstring says what it measures): throughput, batching, loader, model,
 gpu, dense, balance, calculator, accuracy, forces, force_step, periodic. Suite options
-(another suite refuses them): ``--device`` (gpu), ``--subset N`` (gpu, accuracy),
-``--molecules-per-step N`` and ``--profile`` (gpu), ``--minutes M`` (accuracy, forces),
-``--set section.key=value`` (gpu, forces, force_step), ``--config C`` (forces, force_step),
-``--variant`` (forces: ``'NAME: key=value ...'``; gpu: a name of ``gpu.VARIANTS``),
-``--parallel N`` (forces). Each writes ``SUITE.json``, ``.md`` and ``.png`` in ``--out-dir``.
+(another suite refuses them; they override ``--quick``'s reduced settings): ``--device``
+(gpu), ``--subset N`` (gpu, accuracy), ``--molecules-per-step N`` and ``--profile`` (gpu),
+``--minutes M`` (accuracy, forces), ``--set section.key=value`` (gpu, accuracy, forces,
+force_step), ``--config C`` (forces, force_step), ``--variant`` (forces: ``'NAME: key=value
+...'``; gpu: a name of ``gpu.VARIANTS``), ``--parallel N`` (forces). Each writes
+``SUITE.json``, ``.md`` and ``.png`` in ``--out-dir``.
 """
 
 from __future__ import annotations
@@ -52,7 +53,10 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     suite = importlib.import_module(f"schnet_ipu.bench.{args.suite}")
     takes = inspect.signature(suite.run).parameters
-    options = {"out_dir": args.out_dir} if "out_dir" in takes else {}
+    options = dict(suite.QUICK) if args.quick else {}  # the options given override these
+    options.update(
+        {k: v for k, v in (("store", args.store), ("out_dir", args.out_dir)) if k in takes}
+    )
     for option, keyword in OPTIONS.items():
         value = getattr(args, option)
         if value is None:
@@ -62,7 +66,7 @@ def main(argv: list[str] | None = None) -> dict:
             parser.error(f"{flag} is not an option of the {args.suite} suite")
         options[keyword] = value
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    report = suite.run(args.quick, args.store, **options)
+    report = suite.run(**options)
     argv = sys.argv[1:] if argv is None else argv
     report["command"] = shlex.join(["python", "-m", "schnet_ipu.bench", *argv])
     write_report(report, suite.COLUMNS, suite.PLOT, args.out_dir, args.json)

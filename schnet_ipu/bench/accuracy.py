@@ -25,6 +25,7 @@ from schnet_ipu.pipeline import PreparedData, prepare_data
 
 COLUMNS = ["name", "test_mae", "best_val_mae", "molecules_seen", "epochs", "seconds"]
 PLOT = ("name", "test_mae", "test MAE after equal wall time (eV)")
+QUICK = {"minutes": 1.0, "subset": 4000}
 
 
 def stock_pyg(data: PreparedData, model_cfg, minutes: float) -> dict:
@@ -90,9 +91,9 @@ def ours(cfg_overrides: list[str], minutes: float, run_dir: Path) -> dict:
     }
 
 
-def run_accuracy(
+def run(
     store: str | Path,
-    minutes: float,
+    minutes: float = 10.0,
     subset: int = 0,
     out_dir: str | Path = "bench_results",
     overrides: tuple[str, ...] = (),
@@ -114,15 +115,3 @@ def run_accuracy(
         f"accuracy_vs_time.png in {out}",
     ]
     return new_report("accuracy", rows, ratios, notes)
-
-
-def run(
-    quick: bool,
-    store: str | Path,
-    minutes: float = 10.0,
-    subset: int = 0,
-    out_dir: str | Path = "bench_results",
-) -> dict:
-    if quick:
-        return run_accuracy(store, min(minutes, 1.0), subset or 4000, out_dir)
-    return run_accuracy(store, minutes, subset, out_dir)

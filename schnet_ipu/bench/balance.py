@@ -45,6 +45,7 @@ COLUMNS = ["dataset", "batching", "schedule", "straggler", "predicted_straggler"
            "constant_ms"]  # fmt: skip
 PLOT = ("label", "straggler", "slowest / mean replica fwd+bwd per step")
 REPLICAS = 2
+QUICK = {"sample": 800, "water_clusters": 300, "water_sizes": (3, 20), "epochs": 2}
 
 
 def build_batches(
@@ -202,7 +203,7 @@ def summarise(job: dict, records: list, cost, atoms: np.ndarray, edges: np.ndarr
     return rows
 
 
-def run_balance(
+def run(
     store: str | Path = QM9_STORE,
     sample: int = 4000,
     water_clusters: int = 600,
@@ -242,9 +243,3 @@ def run_balance(
         f"clusters of {water_sizes[0]}-{water_sizes[1]}; {epochs} epochs per schedule; medians.",
     ]
     return new_report("balance", results, ratios, notes)
-
-
-def run(quick: bool, store: str | Path) -> dict:
-    if quick:
-        return run_balance(store, sample=800, water_clusters=300, water_sizes=(3, 20), epochs=2)
-    return run_balance(store)

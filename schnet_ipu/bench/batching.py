@@ -26,6 +26,8 @@ from schnet_ipu.packing.baselines import BASELINES, run_baseline
 from schnet_ipu.task import masked_mse
 
 PACKERS = ("lpfhp", "tuple", "pad_to_max")
+QUICK = {"sample": 1000, "water_clusters": 100, "water_sizes": (3, 8), "batch_sizes": (32,),
+         "max_shapes": 2, "repeats": 3}  # fmt: skip
 COLUMNS = ["dataset", "algorithm", "batch", "node_efficiency", "edge_efficiency",
            "distinct_shapes", "batches", "step_ms", "molecules_per_s",
            "timed_coverage"]  # fmt: skip
@@ -155,7 +157,7 @@ def bench_dataset(
     return rows
 
 
-def run_batching(
+def run(
     store: str | Path = QM9_STORE,
     sample: int = 5000,
     water_clusters: int = 300,
@@ -196,12 +198,3 @@ def run_batching(
         "lpfhp's edge room is its fullest pack's; distinct_shapes = static-shape compiles.",
     ]
     return new_report("batching", results, best, notes)
-
-
-def run(quick: bool, store: str | Path) -> dict:
-    if quick:
-        return run_batching(
-            store, sample=1000, water_clusters=100, water_sizes=(3, 8), batch_sizes=(32,),
-            max_shapes=2, repeats=3,
-        )  # fmt: skip
-    return run_batching(store)

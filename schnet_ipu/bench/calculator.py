@@ -38,6 +38,7 @@ COLUMNS = ["name", "structure", "atoms", "dtype", "ms_per_call", "md_steps_per_s
 PLOT = ("name", "ms_per_call", "ms per energy + forces (+ stress) call")
 MOLECULE_ELEMENTS = [1, 6, 7, 8]
 CELL_ELEMENTS = [1, 8, 29]
+QUICK = {"quick": True}
 WARM_UP = 3  # rounds left out: TorchScript's profiling executor optimises on the first calls
 
 
@@ -161,8 +162,8 @@ def cases(quick: bool) -> list[tuple[str, str, Atoms]]:
     return rows
 
 
-def run(quick: bool, store: str | Path, structures: list | None = None) -> dict:
-    """Every row of ``structures`` (:func:`cases` when None); ``store`` is unused."""
+def run(quick: bool = False, structures: list | None = None) -> dict:
+    """Every row of ``structures`` (:func:`cases` when None); ``quick``: fewer rounds."""
     results = []
     with tempfile.TemporaryDirectory() as folder:
         paths = {
@@ -189,17 +190,9 @@ def run(quick: bool, store: str | Path, structures: list | None = None) -> dict:
                 dtype = name.split()[-1]
                 steps = max(2, 600 // len(atoms)) if not quick else 2
                 md = md_rate(calcs[model, dtype], atoms, steps) if "calculator" in name else None
-                results.append(
-                    {
-                        "name": name,
-                        "structure": structure,
-                        "atoms": len(atoms),
-                        "dtype": dtype,
-                        "ms_per_call": ms,
-                        "md_steps_per_s": md,
-                        "load_avg": load,
-                    }
-                )
+                results.append({"name": name, "structure": structure, "atoms": len(atoms),
+                                "dtype": dtype, "ms_per_call": ms, "md_steps_per_s": md,
+                                "load_avg": load})  # fmt: skip
                 print(results[-1], flush=True)
     notes = [
         "models: configs/qm9.yaml (molecules) and configs/emt_bulk.yaml (cells), filter=table,"

@@ -28,6 +28,8 @@ COLUMNS = ["dataset", "graph", "message_passing", "molecules_per_s", "step_ms", 
            "packs_per_batch", "pair_efficiency", "per_molecule_block_efficiency",
            "dense_vs_sparse"]  # fmt: skip
 PLOT = ("label", "molecules_per_s", "training molecules/s")
+QUICK = {"sample": 600, "water_clusters": 150, "water_sizes": (3, 10),
+         "timing": Timing(warmup=1, steps=4, repeats=3)}  # fmt: skip
 
 
 def variant(store: str, sample: int, size: ModelConfig, overrides: list[str], batch: int):
@@ -60,7 +62,7 @@ def variant(store: str, sample: int, size: ModelConfig, overrides: list[str], ba
     return row, training_step(loader, backend)
 
 
-def run_dense(
+def run(
     store: str | Path = QM9_STORE,
     sample: int = 2000,
     water_clusters: int = 400,
@@ -114,12 +116,3 @@ def run_dense(
         "per_molecule_block_efficiency: real pairs / (molecules x S^2), S the largest molecule.",
     ]
     return new_report("dense", rows, ratios, notes)
-
-
-def run(quick: bool, store: str | Path) -> dict:
-    if quick:
-        return run_dense(
-            store, sample=600, water_clusters=150, water_sizes=(3, 10),
-            timing=Timing(warmup=1, steps=4, repeats=3),
-        )  # fmt: skip
-    return run_dense(store)

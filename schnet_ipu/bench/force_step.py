@@ -34,19 +34,16 @@ VARIANTS = {
 }
 COLUMNS = ["name", "step_ms", "ratio_to_energy"]
 PLOT = ("name", "step_ms", "ms per training step")
+QUICK = {"rounds": 3, "steps": 3}
 
 
 def run(
-    quick: bool,
-    store: str | Path,
     config: str | Path = DEFAULT_CONFIG,
     overrides: list[str] = (),
     rounds: int = 5,
     steps: int = 5,
 ) -> dict:
-    """Every variant on ``config``'s first ``steps`` host calls, ``rounds`` rounds
-    (``quick``: 3 and 3); ``store`` is the QM9 store of the other suites, unused here."""
-    rounds, steps = (3, 3) if quick else (rounds, steps)
+    """Every variant on ``config``'s first ``steps`` host calls, ``rounds`` rounds."""
     cfg = load_config(config, [*overrides, "loader.workers=0"])
     if cfg.backend.threads:
         torch.set_num_threads(cfg.backend.threads)

@@ -35,6 +35,7 @@ COLUMNS = ["name", "minutes", "structures_per_s", "test_energy_mae_meV_per_atom"
            "test_energy_mae_eV", "test_force_mae", "structures_seen", "epochs",
            "load_1min"]  # fmt: skip
 PLOT = ("name", "test_force_mae", "test force MAE after equal wall time (eV/A)")
+QUICK = {"minutes": 0.25}
 FORCES_PLOT = ["validation force MAE (eV/A)", "validation energy MAE (eV)"]
 
 
@@ -147,8 +148,6 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
 
 
 def run(
-    quick: bool,
-    store: str | Path,
     minutes: float = 1.5,
     config: str | Path = DEFAULT_CONFIG,
     overrides: list[str] | None = None,
@@ -156,10 +155,8 @@ def run(
     parallel: int = 2,
     out_dir: str | Path = "bench_results",
 ) -> dict:
-    """Both sides for ``minutes`` (``quick``: 0.25) on ``config``'s frames; ``store`` is the
-    QM9 store of the other suites, unused here (the config names the data)."""
+    """Both sides for ``minutes`` on ``config``'s frames (the config names the data)."""
     require_schnetpack()
-    minutes = min(minutes, 0.25) if quick else minutes
     cfg = force_config(config, list(overrides or []))
     data = prepare_data(cfg)  # the store and its split, before the sides read them
     with tempfile.TemporaryDirectory() as tmp:

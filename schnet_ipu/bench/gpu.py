@@ -54,6 +54,7 @@ VARIANTS = {  # name -> config overrides
     "compiled fused": ["backend.compile=true", "model.ops=triton"],
 }
 CUDA_ONLY = ("fused", "table", "compiled fused")  # the Triton kernels need CUDA tensors
+QUICK = {"rounds": 1, "pyg_batches": (32, 128)}
 PROFILE_STEPS = 20
 PROFILE_ROWS = 15
 
@@ -177,7 +178,7 @@ def time_rounds(epochs: dict[str, Epoch], rounds: int, device: str) -> dict[str,
     return results
 
 
-def run_gpu(
+def run(
     store: str | Path = QM9_STORE,
     device: str = "cuda",
     subset: int = 0,
@@ -186,16 +187,18 @@ def run_gpu(
     precisions: tuple[str, ...] = PRECISIONS,
     overrides: list[str] = (),
     molecules_per_step: int = 32,
-    variants: tuple[str, ...] = (),
+    variants: tuple[str, ...] = tuple(VARIANTS),
     profile: bool = False,
 ) -> dict:
     """Every variant side by side; ``ratio_vs_pyg_best``: PyG's fastest epoch over ours.
 
     CUDA-graph variants need a CUDA ``device`` (on a CPU only the eager ones run, and of
-    ``variants`` (names in ``VARIANTS``) only ``compiled``, without a graph). Ours trains
-    about ``molecules_per_step`` molecules per optimiser step (whole packs); PyG runs batches
-    of each size in ``pyg_batches``. ``profile``: a profiler table per variant of ours.
+    ``variants`` only ``compiled``, without a graph). Ours trains about
+    ``molecules_per_step`` molecules per optimiser step (whole packs); PyG runs batches of
+    each size in ``pyg_batches`` and of ``molecules_per_step``. ``profile``: a profiler table
+    per variant of ours.
     """
+    pyg_batches = tuple(sorted({*pyg_batches, molecules_per_step}))
     cfg = paper_config(store, device, subset, list(overrides))
     data = prepare_data(cfg)
     cfg.packing.packs_per_batch = packs_for(data, molecules_per_step)
@@ -330,14 +333,3 @@ def notes(
     if not device.startswith("cuda"):
         lines.append(f"Run on {device}: CUDA-graph variants skipped; no GPU memory figures.")
     return lines
-
-
-def run(quick: bool, store: str, device: str = "cuda", subset: int = 0,
-        overrides: list[str] = (), molecules_per_step: int = 32, profile: bool = False,
-        variants: tuple[str, ...] = tuple(VARIANTS)) -> dict:  # fmt: skip
-    options = {"overrides": overrides, "molecules_per_step": molecules_per_step,
-               "variants": variants, "profile": profile}  # fmt: skip
-    sizes = {32, 128, molecules_per_step} if quick else {32, 128, 512, molecules_per_step}
-    pyg_batches = tuple(sorted(sizes))  # PyG at our step size too
-    return run_gpu(store, device, subset, rounds=1 if quick else 3, pyg_batches=pyg_batches,
-                   **options)  # fmt: skip

@@ -38,6 +38,7 @@ NO_GPU = " (no GPU here: the in-process program on the same CPU tensors)"
 CONFIG = PAPER_CONFIG
 WARM_EPOCHS = 5  # warm = the median epoch of these rounds (a shared machine is noisy)
 PYG = "stock PyG DataLoader"
+QUICK = {"extra": ("data.subset=20000", "data.val=1000", "data.test=1000"), "workers": (0, 1)}
 
 
 def rss_mb() -> float:
@@ -138,20 +139,20 @@ def progress(row: dict) -> None:
     print(f"{row['name']}: cold {row['cold_molecules_per_s']:.0f} molecules/s", file=sys.stderr)
 
 
-def run_loader(
+def run(
     store: str | Path = QM9_STORE,
-    overrides: tuple[str, ...] = (),
+    extra: tuple[str, ...] = (),
     workers: tuple[int, ...] = (0, 1, 2),
     pyg_molecules: int = 10000,
 ) -> dict:
-    """Every mode on ``configs/qm9.yaml`` (plus ``overrides``) over ``store``, side by side."""
+    """Every mode on ``configs/qm9.yaml`` (plus ``extra`` overrides) over ``store``."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     MoleculeStore(store)  # a bad store is refused under its own name, not the copy's
     with tempfile.TemporaryDirectory() as fresh:
         copy = Path(fresh) / Path(store).name  # no pairs file yet: cold builds it
         shutil.copy(store, copy)
         base = [f"data.path={copy}", "backend.device=cpu", "backend.replicas=1"]
-        cfg = load_config(CONFIG, [*base, *overrides])
+        cfg = load_config(CONFIG, [*base, *extra])
         data = prepare_data(cfg)
         pairs_s = data.timings.get("edge_counts", 0.0)
         loop = compiled_feed.AVAILABLE  # numba's compiled loop fills CPU batches
@@ -194,9 +195,3 @@ def run_loader(
         "edges as a transform; feed_state_mb: feed arrays + chunk memory.",
     ]
     return new_report("loader", [*rows, reference], ratios, notes)
-
-
-def run(quick: bool, store: str | Path) -> dict:
-    if quick:
-        return run_loader(store, ("data.subset=20000", "data.val=1000", "data.test=1000"), (0, 1))
-    return run_loader(store)

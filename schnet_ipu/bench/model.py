@@ -34,6 +34,7 @@ PYG_NOTE = (
 COLUMNS = ["name", "ms_per_batch", "ms_min", "molecules_per_s", "speedup_vs_pyg",
            "speedup_vs_pyg_min"]  # fmt: skip
 PLOT = ("name", "molecules_per_s", "forward+backward molecules/s")
+QUICK = {"molecules": 128, "repeats": 3}
 
 
 def one_batch(store: MoleculeStore, index: np.ndarray, algorithm: str, layout: dict) -> tuple:
@@ -52,18 +53,17 @@ def one_batch(store: MoleculeStore, index: np.ndarray, algorithm: str, layout: d
 
 
 def run(
-    quick: bool,
     store: str,
+    molecules: int = 512,
+    repeats: int = 5,
     max_nodes: int = 64,
     max_graphs: int = 16,
     seed: int = 0,
     filter_points: int = 256,
 ) -> dict:
-    """Time forward+backward of our SchNet and PyG's on the same molecules (512; ``quick``
-    128), same weights and the same interaction graphs, in interleaved rounds (5; ``quick``
-    3) after a warm-up round. ``filter=table`` rows tabulate the filter on
-    ``filter_points`` grid points."""
-    molecules, repeats = (128, 3) if quick else (512, 5)
+    """Forward+backward of our SchNet and PyG's on the same ``molecules``, weights and
+    interaction graphs, ``repeats`` interleaved rounds after a warm-up round; ``filter=table``
+    rows tabulate the filter on ``filter_points`` grid points."""
     qm9 = MoleculeStore(store)
     index = np.sort(np.random.default_rng(seed).choice(len(qm9), molecules, replace=False))
     knn = one_batch(qm9, index, "lpfhp", {"max_nodes": max_nodes, "max_graphs": max_graphs})

@@ -28,6 +28,7 @@ from schnet_ipu.task import EnergyForceTask, TargetTransform
 
 CUTOFF = 5.0
 LATTICE = 3.6
+QUICK = {"frames": 5000, "compare": 100, "steps": 10}
 
 
 def fcc_frames(count: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -123,14 +124,7 @@ def copper_store(path: Path, pos: np.ndarray, cells: np.ndarray, forces: bool = 
     return MoleculeStore(path)
 
 
-def run(quick: bool, store: str | Path) -> dict:
-    """The suite; ``store`` is the QM9 store of the other suites, unused here."""
-    return run_periodic(5000, 100, 10) if quick else run_periodic()
-
-
-def run_periodic(
-    frames: int = 100_000, compare: int = 300, steps: int = 20, trained: int = 2000
-) -> dict:
+def run(frames: int = 100_000, compare: int = 300, steps: int = 20, trained: int = 2000) -> dict:
     """See the module docstring; ``trained``: the frames batched for the step ratio."""
     pos, cells = fcc_frames(frames)
     facts: dict = {"frames": frames, "atoms_per_frame": 32, "cutoff": CUTOFF}

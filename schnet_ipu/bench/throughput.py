@@ -31,6 +31,7 @@ COLUMNS = ["name", "molecules_per_s", "step_ms", "molecules_per_step", "replicas
            "threads_per_replica", "atoms_per_step",
            "node_efficiency", "edge_efficiency", "graph"]  # fmt: skip
 PLOT = ("name", "molecules_per_s", "training molecules/s")
+QUICK = {"sample": 3000, "timing": Timing(warmup=2, steps=4, repeats=9), "padded": ("radius",)}
 
 
 def ours(
@@ -91,7 +92,7 @@ def variants(padded: tuple[str, ...], compile: bool, table: bool) -> list[tuple]
     return rows
 
 
-def run_throughput(
+def run(
     store: str | Path = QM9_STORE,
     sample: int = 10000,
     size: ModelConfig | None = None,
@@ -207,10 +208,3 @@ def compare(results: dict[str, dict]) -> dict:
         if twin in rate:
             ratios[f"{key}_vs_{twin.replace(' ', '_')}"] = ratio(rate[name], rate[twin])
     return ratios
-
-
-def run(quick: bool, store: str | Path) -> dict:
-    if quick:
-        timing = Timing(warmup=2, steps=4, repeats=9)
-        return run_throughput(store, sample=3000, timing=timing, padded=("radius",))
-    return run_throughput(store)
