@@ -179,39 +179,25 @@ def summarise(job: dict, records: list, cost, atoms: np.ndarray, edges: np.ndarr
             measured_all.append(measured[real])
             costs = step_costs(schedule, predicted)
             predicted_all.append(costs[real])
-        rows.append(
-            {
-                "label": f"{job['dataset']}/{job['batching']}/{schedule_name}",
-                "dataset": job["dataset"],
-                "batching": job["batching"],
-                "schedule": schedule_name,
-                "straggler": statistics.median(stragglers),
-                "predicted_straggler": float((costs.max(1) / costs.mean(1)).mean()),
-                "epoch_s": statistics.median(walls),
-                "steps": len(schedule),
-                "batches": len(atoms),
-                "r2_fit": cost.r2,
-                "r2_predict": r_squared(
-                    np.concatenate(predicted_all), np.concatenate(measured_all)
-                ),
-                "per_atom_us": 1e6 * cost.per_atom,
-                "per_edge_us": 1e6 * cost.per_edge,
-                "constant_ms": 1e3 * cost.constant,
-                "epochs": len(walls),
-            }
-        )
+        fit = r_squared(np.concatenate(predicted_all), np.concatenate(measured_all))
+        rows.append({
+            "label": f"{job['dataset']}/{job['batching']}/{schedule_name}",
+            "dataset": job["dataset"], "batching": job["batching"], "schedule": schedule_name,
+            "straggler": statistics.median(stragglers),
+            "predicted_straggler": float((costs.max(1) / costs.mean(1)).mean()),
+            "epoch_s": statistics.median(walls), "steps": len(schedule), "batches": len(atoms),
+            "r2_fit": cost.r2, "r2_predict": fit, "per_atom_us": 1e6 * cost.per_atom,
+            "per_edge_us": 1e6 * cost.per_edge, "constant_ms": 1e3 * cost.constant,
+            "epochs": len(walls),
+        })  # fmt: skip
     return rows
 
 
 def run(
-    store: str | Path = QM9_STORE,
-    sample: int = 4000,
-    water_clusters: int = 600,
-    water_sizes: tuple[int, int] = (3, 30),
-    batch: int = 32,
-    epochs: int = 3,
+    store: str | Path = QM9_STORE, sample: int = 4000, water_clusters: int = 600,
+    water_sizes: tuple[int, int] = (3, 30), batch: int = 32, epochs: int = 3,
     size: ModelConfig | None = None,
-) -> dict:
+) -> dict:  # fmt: skip
     """QM9 (a fixed random sample) and synthetic water, dynamic batches and packs."""
     size = size or ModelConfig()
     qm9 = MoleculeStore(store)

@@ -7,6 +7,7 @@ Every suite returns a report dict ``{"suite", "machine", "commit", "results", "r
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -171,13 +172,10 @@ def train_for(cfg: Config, minutes: float, run_dir: Path) -> tuple[dict, list[di
 
 def machine() -> dict[str, Any]:
     cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    with contextlib.suppress(OSError):
+        names = [line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                 if line.startswith("model name")]  # fmt: skip
+        cpu = names[0].split(":", 1)[1].strip() if names else cpu
     return {
         "cpu": cpu,
         "cores": os.cpu_count(),
@@ -191,20 +189,17 @@ def machine() -> dict[str, Any]:
 
 def commit() -> str | None:
     """The git sha of the checkout, with ``-dirty`` when it has uncommitted changes."""
+
+    def git(*args: str) -> str:
+        run = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True)
+        run.check_returncode()
+        return run.stdout.strip()
+
     try:
-        git = ["git", "-C", str(ROOT)]
-        sha = subprocess.run(
-            [*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            [*git, "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+        return git("rev-parse", "HEAD") + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return None
-    return sha + ("-dirty" if dirty else "")
 
 
 def new_report(suite: str, results: list[dict], ratios: dict, notes: list[str]) -> dict:

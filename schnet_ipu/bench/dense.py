@@ -63,14 +63,10 @@ def variant(store: str, sample: int, size: ModelConfig, overrides: list[str], ba
 
 
 def run(
-    store: str | Path = QM9_STORE,
-    sample: int = 2000,
-    water_clusters: int = 400,
-    water_sizes: tuple[int, int] = (3, 20),
-    batch_molecules: int = 32,
-    size: ModelConfig | None = None,
-    timing: Timing | None = None,
-) -> dict:
+    store: str | Path = QM9_STORE, sample: int = 2000, water_clusters: int = 400,
+    water_sizes: tuple[int, int] = (3, 20), batch_molecules: int = 32,
+    size: ModelConfig | None = None, timing: Timing | None = None,
+) -> dict:  # fmt: skip
     """QM9 (a fixed random sample) and a temporary synthetic water store; every data set,
     graph and layout timed side by side."""
     size = size or ModelConfig()

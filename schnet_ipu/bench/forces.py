@@ -148,13 +148,10 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
 
 
 def run(
-    minutes: float = 1.5,
-    config: str | Path = DEFAULT_CONFIG,
-    overrides: list[str] | None = None,
-    variants: list[str] | None = None,
-    parallel: int = 2,
+    minutes: float = 1.5, config: str | Path = DEFAULT_CONFIG,
+    overrides: list[str] | None = None, variants: list[str] | None = None, parallel: int = 2,
     out_dir: str | Path = "bench_results",
-) -> dict:
+) -> dict:  # fmt: skip
     """Both sides for ``minutes`` on ``config``'s frames (the config names the data)."""
     require_schnetpack()
     cfg = force_config(config, list(overrides or []))

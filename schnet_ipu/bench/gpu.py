@@ -165,8 +165,7 @@ def time_rounds(epochs: dict[str, Epoch], rounds: int, device: str) -> dict[str,
         counts = last[name]
         median = rate.step_seconds
         results[name] = {
-            "epoch_seconds": median,
-            "epoch_seconds_all": rate.seconds,
+            "epoch_seconds": median, "epoch_seconds_all": rate.seconds,
             "molecules_per_s": counts["molecules"] / median,
             "molecules_per_step": counts["molecules"] / counts["steps"],
             "steps_per_epoch": counts["steps"],
@@ -174,22 +173,16 @@ def time_rounds(epochs: dict[str, Epoch], rounds: int, device: str) -> dict[str,
             "data_fraction": counts["data_seconds"] / median if "data_seconds" in counts else None,
             "train_loss_last_epoch": counts.get("loss"),
             "compiled_graphs_after_warmup": counts.get("recompiles"),
-        }
+        }  # fmt: skip
     return results
 
 
 def run(
-    store: str | Path = QM9_STORE,
-    device: str = "cuda",
-    subset: int = 0,
-    rounds: int = 3,
-    pyg_batches: tuple[int, ...] = (32, 128, 512),
-    precisions: tuple[str, ...] = PRECISIONS,
-    overrides: list[str] = (),
-    molecules_per_step: int = 32,
-    variants: tuple[str, ...] = tuple(VARIANTS),
-    profile: bool = False,
-) -> dict:
+    store: str | Path = QM9_STORE, device: str = "cuda", subset: int = 0, rounds: int = 3,
+    pyg_batches: tuple[int, ...] = (32, 128, 512), precisions: tuple[str, ...] = PRECISIONS,
+    overrides: list[str] = (), molecules_per_step: int = 32,
+    variants: tuple[str, ...] = tuple(VARIANTS), profile: bool = False,
+) -> dict:  # fmt: skip
     """Every variant side by side; ``ratio_vs_pyg_best``: PyG's fastest epoch over ours.
 
     CUDA-graph variants need a CUDA ``device`` (on a CPU only the eager ones run, and of
@@ -202,17 +195,16 @@ def run(
     cfg = paper_config(store, device, subset, list(overrides))
     data = prepare_data(cfg)
     cfg.packing.packs_per_batch = packs_for(data, molecules_per_step)
-    loader = make_loader(cfg, data, "train", pin_memory=device.startswith("cuda"), device=device)
-    graph_choices = (False, True) if device.startswith("cuda") else (False,)
+    cuda = device.startswith("cuda")
+    loader = make_loader(cfg, data, "train", pin_memory=cuda, device=device)
     epochs: dict[str, Epoch] = {}
     backends: dict[str, object] = {}
     configs: dict[str, Config] = {}
     skipped: list[str] = []
     for precision in precisions:
-        for graphs in graph_choices:
+        for graphs in (False, True) if cuda else (False,):
             name = f"ours {precision}" + (" cuda graph" if graphs else " eager")
             configs[name] = variant_config(cfg, precision, graphs)
-    cuda = device.startswith("cuda")
     for variant in variants:
         name = f"ours {VARIANT_PRECISION} {variant}" + (" cuda graph" if cuda else "")
         if variant in CUDA_ONLY and not cuda:
@@ -228,53 +220,39 @@ def run(
     for batch_size in pyg_batches:
         epochs[f"{PYG} batch {batch_size}"] = stock_pyg(data, cfg, batch_size, device, items)
     measured = time_rounds(epochs, rounds, device)
-    profiles = {}
-    if profile:
-        for name, backend in backends.items():
-            profiles[name] = profile_steps(backend, loader, device)
-
+    profiles = {n: profile_steps(b, loader, device) for n, b in backends.items() if profile}
     rows = []
     for name, row in measured.items():
         row = {"name": name, **row}
         if name in backends:
-            backend = backends[name]
-            val_loader = make_loader(configs[name], data, "val")
-            val = evaluate(make_task(configs[name], data), backend, val_loader, "val")
-            row.update(
-                precision=configs[name].backend.precision,
-                cuda_graph=configs[name].backend.cuda_graphs == "true",
-                compile=configs[name].backend.compile,
-                ops=configs[name].model.ops,
-                graph_recaptures=max(backend.graph_captures - 1, 0),
-                recompilations=backend.recompilations,
-                val_mae=val["mae"],
-            )
+            backend, variant = backends[name], configs[name]
+            val_loader = make_loader(variant, data, "val")
+            val = evaluate(make_task(variant, data), backend, val_loader, "val")
+            row.update(precision=variant.backend.precision,
+                       cuda_graph=variant.backend.cuda_graphs == "true",
+                       compile=variant.backend.compile, ops=variant.model.ops,
+                       graph_recaptures=max(backend.graph_captures - 1, 0),
+                       recompilations=backend.recompilations, val_mae=val["mae"])  # fmt: skip
         rows.append(row)
     seconds = {row["name"]: row["epoch_seconds"] for row in rows}
     best_ours = min((n for n in seconds if n.startswith("ours")), key=seconds.get)
     best_pyg = min((n for n in seconds if n.startswith(PYG)), key=seconds.get)
     for row in rows:
         row["ratio_vs_pyg_best"] = ratio(seconds[best_pyg], row["epoch_seconds"])
-    ratios = {
-        "best_ours": best_ours,
-        "best_pyg": best_pyg,
-        "ratio_vs_pyg_best": ratio(seconds[best_pyg], seconds[best_ours]),
-        "ratio_vs_pyg_batch_32": ratio(
-            seconds.get(f"{PYG} batch 32", math.nan), seconds[best_ours]
-        ),
-    }
-    on = torch.device(device)
+    ratios = {"best_ours": best_ours, "best_pyg": best_pyg,
+              "ratio_vs_pyg_best": ratio(seconds[best_pyg], seconds[best_ours]),
+              "ratio_vs_pyg_batch_32": ratio(seconds.get(f"{PYG} batch 32", math.nan),
+                                             seconds[best_ours])}  # fmt: skip
     feed_device = str(loader.dataset.arrays.device)
     report = new_report("gpu", rows, ratios, notes(cfg, data, rounds, device, subset, feed_device))
     report["notes"] += [f"Skipped {line}" for line in skipped]
     if profiles:
         report["profiles"] = profiles
     report["device"] = {
-        "name": torch.cuda.get_device_name(on) if on.type == "cuda" else "cpu (not a GPU run)",
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "cudnn": torch.backends.cudnn.version() if on.type == "cuda" else None,
-    }
+        "name": torch.cuda.get_device_name(device) if cuda else "cpu (not a GPU run)",
+        "torch": torch.__version__, "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if cuda else None,
+    }  # fmt: skip
     return report
 
 

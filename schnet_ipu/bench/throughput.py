@@ -35,32 +35,20 @@ QUICK = {"sample": 3000, "timing": Timing(warmup=2, steps=4, repeats=9), "padded
 
 
 def ours(
-    store: str | Path,
-    sample: int,
-    size: ModelConfig,
-    overrides: list[str],
-    batch_molecules: int = 32,
-    replicas: int = 1,
-) -> tuple[dict, PreparedData, Callable[[], int]]:
+    store: str | Path, sample: int, size: ModelConfig, overrides: list[str],
+    batch_molecules: int = 32, replicas: int = 1,
+) -> tuple[dict, PreparedData, Callable[[], int]]:  # fmt: skip
     """One of our configurations (:func:`~schnet_ipu.bench.common.our_trainer`): its
-    description, its data and its training step (the loader's next batches through
-    ``TorchBackend.train_call``)."""
+    description, its data and its training step."""
     cfg, data, loader, backend = our_trainer(
         store, sample, size, overrides, batch_molecules, replicas
     )
-    plan = data.train_plan
-    row = {
-        "replicas": replicas,
-        "threads_per_replica": torch.get_num_threads(),
-        "atoms_per_step": replicas * cfg.packing.packs_per_batch * plan.max_nodes,
-        "packs_per_batch": cfg.packing.packs_per_batch,
-        "max_nodes": plan.max_nodes,
-        "max_edges": plan.max_edges,
-        "max_graphs": plan.max_graphs,
-        "node_efficiency": plan.node_efficiency,
-        "edge_efficiency": plan.edge_efficiency,
-        "workers": cfg.loader.workers,
-    }
+    plan, packs = data.train_plan, cfg.packing.packs_per_batch
+    row = {"replicas": replicas, "threads_per_replica": torch.get_num_threads(),
+           "atoms_per_step": replicas * packs * plan.max_nodes, "packs_per_batch": packs,
+           "max_nodes": plan.max_nodes, "max_edges": plan.max_edges,
+           "max_graphs": plan.max_graphs, "node_efficiency": plan.node_efficiency,
+           "edge_efficiency": plan.edge_efficiency, "workers": cfg.loader.workers}  # fmt: skip
     return row, data, training_step(loader, backend)
 
 
@@ -93,17 +81,11 @@ def variants(padded: tuple[str, ...], compile: bool, table: bool) -> list[tuple]
 
 
 def run(
-    store: str | Path = QM9_STORE,
-    sample: int = 10000,
-    size: ModelConfig | None = None,
-    timing: Timing | None = None,
-    workers: int = 0,
-    batch_molecules: int = 32,
-    padded: tuple[str, ...] = ("radius", "knn"),
-    compile: bool = True,
-    replicas: int = 2,
+    store: str | Path = QM9_STORE, sample: int = 10000, size: ModelConfig | None = None,
+    timing: Timing | None = None, workers: int = 0, batch_molecules: int = 32,
+    padded: tuple[str, ...] = ("radius", "knn"), compile: bool = True, replicas: int = 2,
     table: bool = True,
-) -> dict:
+) -> dict:  # fmt: skip
     """Every variant side by side. ``padded``: graphs also run pad-to-max; ``compile`` adds
     radius+tuple and its pad-to-max twin through ``torch.compile`` (compiled in the warm-up;
     PyG stays eager); ``replicas`` > 1 adds radius+tuple as that many data-parallel processes
