@@ -126,13 +126,6 @@ def interleaved_latency(calls: dict[str, Callable], atoms: Atoms, rounds: int) -
     return {name: 1000 * rate.step_seconds for name, rate in rates.items()}
 
 
-def calculator_call(calc: SchNetCalculator) -> Callable:
-    def call(atoms: Atoms) -> None:
-        calc.calculate(atoms, ("energy", "forces"))
-
-    return call
-
-
 def export_call(module: torch.jit.ScriptModule, atoms: Atoms) -> Callable:
     threads = 1 if len(atoms) < ONE_THREAD_ATOMS else torch.get_num_threads()
 
@@ -149,14 +142,9 @@ def export_call(module: torch.jit.ScriptModule, atoms: Atoms) -> Callable:
 
 def cases(quick: bool) -> list[tuple[str, str, Atoms]]:
     """(structure name, model, atoms) of every row."""
-    rows = [
-        ("molecule", "paper", molecule(20)),
-        ("molecule", "paper", molecule(200)),
-        ("Cu fcc", "metal", copper((5, 1, 1))),
-        ("Cu fcc", "metal", copper((5, 5, 2))),
-        ("Cu fcc", "metal", copper((5, 5, 10))),
-        ("water box", "metal", water_box(7)),
-    ]
+    rows = [("molecule", "paper", molecule(20)), ("molecule", "paper", molecule(200))]
+    rows += [("Cu fcc", "metal", copper(r)) for r in ((5, 1, 1), (5, 5, 2), (5, 5, 10))]
+    rows += [("water box", "metal", water_box(7))]
     if not quick:
         rows += [("Cu fcc", "metal", copper((10, 10, 25))), ("water box", "metal", water_box(15))]
     return rows
@@ -181,7 +169,10 @@ def run(quick: bool = False, structures: list | None = None) -> dict:
         for structure, model, atoms in structures or cases(quick):
             calls = {}
             for dtype in ("float32", "float64"):
-                calls[f"calculator {dtype}"] = calculator_call(calcs[model, dtype])
+                calc = calcs[model, dtype]
+                calls[f"calculator {dtype}"] = lambda a, c=calc: c.calculate(
+                    a, ("energy", "forces")
+                )
                 calls[f"exported {dtype}"] = export_call(modules[model, dtype], atoms)
             rounds = max(3, min(20, 2000 // len(atoms))) if not quick else 3
             latency = interleaved_latency(calls, atoms, rounds)

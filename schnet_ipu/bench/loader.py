@@ -47,10 +47,6 @@ def rss_mb() -> float:
     return pages * resource.getpagesize() / 2**20
 
 
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def synchronised(loader: PackedLoader) -> float:
     """Now, once the work queued on the loader's device is done (CUDA runs asynchronously)."""
     if loader.dataset.arrays.device.type == "cuda":
@@ -88,15 +84,9 @@ def ours(
     chunk = loader.chunk_batches * loader.dataset.layout.batch_bytes(arrays.forces is not None)
     # chunk memory: the buffers the loader keeps for reuse, else the chunks in flight at most
     in_flight = loader.buffers.nbytes() if loader.buffers else chunk * (loader.ahead + 1)
-    row = {
-        "name": name,
-        "workers": workers,
-        "device": str(arrays.device),
-        "cold_molecules_per_s": molecules / (pairs_s + cold),
-        "molecules": molecules,
-        "feed_state_mb": (arrays.nbytes() + in_flight) / 2**20,
-        "rss_mb": rss_mb(),
-    }
+    row = {"name": name, "workers": workers, "device": str(arrays.device),
+           "cold_molecules_per_s": molecules / (pairs_s + cold), "molecules": molecules,
+           "feed_state_mb": (arrays.nbytes() + in_flight) / 2**20, "rss_mb": rss_mb()}  # fmt: skip
     return row, loader
 
 
@@ -123,14 +113,9 @@ def stock(data: PreparedData, cutoff: float, batch_size: int, limit: int):
     start = time.perf_counter()
     loader = DataLoader(Molecules(pyg.items(data, "train", limit)), batch_size, shuffle=True)
     molecules = sum(batch.num_graphs for batch in loader)
-    row = {
-        "name": PYG,
-        "workers": 0,
-        "device": "cpu",
-        "cold_molecules_per_s": molecules / (time.perf_counter() - start),
-        "molecules": molecules,
-        "rss_mb": rss_mb(),
-    }
+    row = {"name": PYG, "workers": 0, "device": "cpu",
+           "cold_molecules_per_s": molecules / (time.perf_counter() - start),
+           "molecules": molecules, "rss_mb": rss_mb()}  # fmt: skip
     return row, lambda: sum(batch.num_graphs for batch in loader)
 
 
@@ -183,7 +168,7 @@ def run(
         "default_vs_pyg_warm": default["vs_pyg_warm"],
         "default_vs_pyg_cold": default["vs_pyg_cold"],
         "pairs_build_seconds": pairs_s,
-        "peak_rss_mb": peak_rss_mb(),
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
     no_numba = "" if compiled_feed.AVAILABLE else " (numba missing: all rows the torch program)"
     notes = [
