@@ -82,9 +82,7 @@ def ours(cfg_overrides: list[str], minutes: float, run_dir: Path) -> dict:
         "name": "ours (configs/qm9.yaml)",
         "test_mae": final["test_mae"],
         "best_val_mae": final["best_val_mae"],
-        "molecules_seen": sum(
-            r["molecules_per_s"] * r["epoch_seconds"] for r in epochs
-        ),  # each epoch's rate x its time
+        "molecules_seen": sum(r["molecules_per_s"] * r["epoch_seconds"] for r in epochs),
         "epochs": sum(r["epoch_fraction"] for r in epochs),
         "seconds": final["budget_seconds"],
         "curve": [(r["budget_seconds"], r["val_mae"]) for r in epochs],

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import json
 import math
 import os
@@ -114,13 +115,9 @@ def packs_for(data: PreparedData, molecules_per_batch: float) -> int:
 
 
 def our_trainer(
-    store: str | Path,
-    sample: int,
-    size: ModelConfig,
-    overrides: list[str],
-    batch_molecules: float,
-    replicas: int = 1,
-) -> tuple[Config, PreparedData, PackedLoader, Any]:
+    store: str | Path, sample: int, size: ModelConfig, overrides: list[str],
+    batch_molecules: float, replicas: int = 1,
+) -> tuple[Config, PreparedData, PackedLoader, Any]:  # fmt: skip
     """The trainer's own setup (model, fused Adam, standardised loss) on a sample of
     ``store``: config, data, this replica's training loader and the backend. ``replicas`` >
     1: this process is one of R data-parallel replicas (it joins their group here) training
@@ -137,14 +134,7 @@ def our_trainer(
 def training_step(loader: PackedLoader, backend) -> Callable[[], int]:
     """One host call: the next micro-batches from the loader (epoch after epoch), then
     ``train_call``; returns the molecules trained."""
-
-    def host_calls():
-        epoch = 0
-        while True:
-            yield from loader.epoch(epoch)
-            epoch += 1
-
-    calls = host_calls()
+    calls = itertools.chain.from_iterable(loader.epoch(e) for e in itertools.count())
 
     def step() -> int:
         return sum(r["molecules"] for r in backend.train_call(next(calls)))

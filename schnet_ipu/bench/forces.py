@@ -83,9 +83,7 @@ def train_ours(cfg: Config, minutes: float, run_dir: Path, name: str = OURS) -> 
     seen = sum(r["molecules_per_s"] * r["epoch_seconds"] for r in epochs)
     return {
         "name": name,
-        "test_mae": final["test_mae"],
-        "test_energy_mae_per_atom": final["test_energy_mae_per_atom"],
-        "test_force_mae": final["test_force_mae"],
+        **{key: final[key] for key in ("test_mae", "test_energy_mae_per_atom", "test_force_mae")},
         "structures_per_s": seen / max(sum(r["epoch_seconds"] for r in epochs), 1e-9),
         "structures_seen": seen,
         "epochs": sum(r["epoch_fraction"] for r in epochs),
@@ -100,7 +98,6 @@ def _side(job: dict, out: str) -> None:
         from schnet_ipu.bench.schnetpack_side import train_schnetpack
 
         os.chdir(Path(job["database"]).parent)  # its data module locks splitting.lock in "."
-
         row = train_schnetpack(job["model"], job["database"], job["split"], job["minutes"])
     else:
         row = train_ours(job["cfg"], job["minutes"], Path(job["run_dir"]), job["name"])

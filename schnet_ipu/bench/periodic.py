@@ -115,12 +115,10 @@ PLOT = ("name", "ratio_to_vesin", "seconds per full neighbour list / vesin's")
 
 def copper_store(path: Path, pos: np.ndarray, cells: np.ndarray, forces: bool = False):
     """The frames as a store (energies and, with ``forces``, forces zero)."""
-    count = len(pos)
     zeros = {"forces": np.zeros_like(pos)} if forces else {}
-    energy = {"energy": np.zeros(count)}
-    pbc = np.ones((count, 3), bool)
-    path = write_store(path, np.full(pos.shape[:2], 29), pos, energy, {"energy": "eV"},
-                       cell=cells, pbc=pbc, **zeros)  # fmt: skip
+    path = write_store(path, np.full(pos.shape[:2], 29), pos, {"energy": np.zeros(len(pos))},
+                       {"energy": "eV"}, cell=cells, pbc=np.ones((len(pos), 3), bool),
+                       **zeros)  # fmt: skip
     return MoleculeStore(path)
 
 
@@ -148,11 +146,9 @@ def run(frames: int = 100_000, compare: int = 300, steps: int = 20, trained: int
     ]
     rows += [{"name": f"{name} step", "step_ms": ms} for name, ms in step_ms.items()]
     ratios = {"periodic_over_molecular": facts["periodic_over_molecular"]}
-    notes = [
-        f"{frames} frames of 32 strained, rattled fcc Cu atoms, cutoff {CUTOFF} A; full lists "
-        f"of the first {compare} frames per library, 3 interleaved rounds; training steps "
-        f"(energy + forces, SchNet 64/64/3, one thread): {steps} per round, 5 rounds.",
-    ]
+    notes = [f"{frames} frames of 32 fcc Cu atoms, cutoff {CUTOFF} A; full lists of the first "
+             f"{compare} frames, 3 rounds; energy + force steps (SchNet 64/64/3, one thread): "
+             f"{steps} per round, 5 rounds."]  # fmt: skip
     report = new_report("periodic", rows, ratios, notes)
     report.update(facts)  # the keys of docs/benchmarks/periodic-cpu.json
     return report

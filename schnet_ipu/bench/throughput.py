@@ -97,14 +97,9 @@ def run(
     steps: dict[str, Callable[[], int]] = {}
 
     def overrides(graph: str, packing: str, compiled: bool, filter_: str) -> list[str]:
-        return [
-            f"model.graph={graph}",
-            f"packing.algorithm={packing}",
-            "model.pair_symmetric=true",
-            f"loader.workers={workers}",
-            f"backend.compile={compiled}",
-            f"model.filter={filter_}",
-        ]
+        return [f"model.graph={graph}", f"packing.algorithm={packing}",
+                "model.pair_symmetric=true", f"loader.workers={workers}",
+                f"backend.compile={compiled}", f"model.filter={filter_}"]  # fmt: skip
 
     data = None
     for name, graph, packing, compiled, filter_ in variants(padded, compile, table):
@@ -132,12 +127,10 @@ def run(
         if group is not None:
             group.close()
     for name, rate in measured.items():
-        results[name].update(
-            molecules_per_s=rate.molecules_per_s,
-            step_ms=1000 * rate.step_seconds,
-            molecules_per_step=rate.molecules_per_step,
-            repeats_molecules_per_s=rate.repeats,
-        )
+        results[name].update(molecules_per_s=rate.molecules_per_s,
+                             step_ms=1000 * rate.step_seconds,
+                             molecules_per_step=rate.molecules_per_step,
+                             repeats_molecules_per_s=rate.repeats)  # fmt: skip
     ratios = compare(results)
     notes = [
         f"{len(data.split['train'])} QM9 training molecules (fixed sample), about "
