@@ -33,8 +33,6 @@ COLUMNS = ["dataset", "algorithm", "batch", "node_efficiency", "edge_efficiency"
            "timed_coverage"]  # fmt: skip
 PLOT = ("label", "molecules_per_s", "estimated training molecules/s (fwd+bwd)")
 
-Shape = tuple[int, int, int]  # atoms, directed edges, molecule slots per batch
-
 
 def epoch_batches(
     algorithm: str,
@@ -71,7 +69,8 @@ def even_max(edges: np.ndarray, packs: list[np.ndarray]) -> int:
     return int(max(edges[p].sum() for p in packs)) or 2
 
 
-def shape_of(layout: Layout) -> Shape:
+def shape_of(layout: Layout) -> tuple[int, int, int]:
+    """Atoms, directed edges and molecule slots of a batch of ``layout``."""
     b = layout.packs_per_batch
     return b * layout.max_nodes, b * layout.max_edges, b * layout.max_graphs
 
