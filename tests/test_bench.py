@@ -41,7 +41,7 @@ def check_report(report: dict, suite: str, out_dir: Path, module) -> dict:
 def test_throughput(store: Path, tmp_path: Path) -> None:
     from schnet_ipu.bench import throughput
 
-    report = throughput.run_throughput(  # compiling costs minutes; test_backend covers it
+    report = throughput.run(  # compiling costs minutes; test_backend covers it
         store, sample=200, size=TINY, timing=ONE_STEP, workers=0, batch_molecules=8, compile=False
     )
     loaded = check_report(report, "throughput", tmp_path, throughput)
@@ -58,7 +58,7 @@ def test_loader(store: Path, tmp_path: Path) -> None:
     from schnet_ipu.bench import loader
 
     small = ("data.val=0.1", "data.test=0.1", "packing.packs_per_batch=2")
-    report = loader.run_loader(store, small, workers=(0, 1), pyg_molecules=50)
+    report = loader.run(store, small, workers=(0, 1), pyg_molecules=50)
     loaded = check_report(report, "loader", tmp_path, loader)
     names = [r["name"] for r in loaded["results"]]
     torch_program = ["ours 0 workers, torch program"] if compiled_feed.AVAILABLE else []
@@ -75,7 +75,7 @@ def test_loader(store: Path, tmp_path: Path) -> None:
 def test_batching(store: Path, tmp_path: Path) -> None:
     from schnet_ipu.bench import batching
 
-    report = batching.run_batching(
+    report = batching.run(
         store, sample=120, water_clusters=12, water_sizes=(1, 2), size=TINY,
         batch_sizes=(8,), max_shapes=1, repeats=1,
     )  # fmt: skip
@@ -89,7 +89,7 @@ def test_batching(store: Path, tmp_path: Path) -> None:
 def test_model(store: Path, tmp_path: Path) -> None:
     from schnet_ipu.bench import model
 
-    loaded = check_report(model.run(True, str(store)), "model", tmp_path, model)
+    loaded = check_report(model.run(str(store), **model.QUICK), "model", tmp_path, model)
     names = {r["name"] for r in loaded["results"]}
     assert {"ours knn", "pyg knn", "pyg radius"} <= names
     assert all(r["molecules_per_s"] > 0 for r in loaded["results"])
@@ -100,9 +100,9 @@ def test_gpu_suite_runs_on_cpu(store: Path, tmp_path: Path) -> None:
 
     tiny = ["model.hidden_channels=8", "model.num_filters=8", "model.num_interactions=1",
             "model.num_gaussians=6", "loader.workers=0"]  # fmt: skip
-    report = gpu.run_gpu(
+    report = gpu.run(
         store, "cpu", subset=150, rounds=1, pyg_batches=(16,), precisions=("bf16",),
-        overrides=tiny, variants=("fused",), profile=True,
+        molecules_per_step=16, overrides=tiny, variants=("fused",), profile=True,
     )  # fmt: skip
     loaded = check_report(report, "gpu", tmp_path, gpu)
     rows = {r["name"]: r for r in loaded["results"]}
@@ -121,7 +121,7 @@ def test_gpu_suite_runs_on_cpu(store: Path, tmp_path: Path) -> None:
 def test_dense(store: Path, tmp_path: Path) -> None:
     from schnet_ipu.bench import dense
 
-    report = dense.run_dense(
+    report = dense.run(
         store, sample=120, water_clusters=30, water_sizes=(1, 3), size=TINY, timing=ONE_STEP,
         batch_molecules=8,
     )  # fmt: skip
@@ -137,7 +137,7 @@ def test_dense(store: Path, tmp_path: Path) -> None:
 def test_balance(store: Path, tmp_path: Path) -> None:
     from schnet_ipu.bench import balance
 
-    report = balance.run_balance(
+    report = balance.run(
         store, sample=150, water_clusters=40, water_sizes=(1, 3), batch=8, epochs=1, size=TINY
     )
     loaded = check_report(report, "balance", tmp_path, balance)
@@ -157,7 +157,7 @@ def test_accuracy(store: Path, tmp_path: Path) -> None:
     shrink = ("data.val=30", "data.test=30", "model.hidden_channels=16", "model.num_filters=16")
     shrink += ("backend.compile=false",)  # the recipe's 2 replicas, without the compile time
     shrink += ("optim.beat_baseline=false",)  # 1 s of training need not beat the baseline
-    report = accuracy.run_accuracy(store, 0.02, 0, tmp_path, shrink)
+    report = accuracy.run(store, 0.02, 0, tmp_path, shrink)
     loaded = check_report(report, "accuracy", tmp_path, accuracy)
     ours, stock = loaded["results"]
     for row in (ours, stock):
@@ -170,7 +170,7 @@ def test_accuracy(store: Path, tmp_path: Path) -> None:
 def test_periodic(tmp_path: Path) -> None:
     from schnet_ipu.bench import periodic
 
-    report = periodic.run_periodic(frames=60, compare=3, steps=2, trained=40)
+    report = periodic.run(frames=60, compare=3, steps=2, trained=40)
     loaded = check_report(report, "periodic", tmp_path, periodic)
     assert loaded["ratio_to_vesin"]["vesin"] == 1.0 and loaded["ratio_to_vesin"]["ase"] > 0
     assert loaded["pairs_per_frame"] > 0 and loaded["periodic_over_molecular"] > 0
@@ -182,7 +182,9 @@ def test_calculator(tmp_path: Path) -> None:
 
     rows = [("molecule", "paper", calculator.molecule(6)),
             ("Cu fcc", "metal", calculator.copper((1, 1, 1)))]  # fmt: skip
-    loaded = check_report(calculator.run(True, "", rows), "calculator", tmp_path, calculator)
+    loaded = check_report(
+        calculator.run(quick=True, structures=rows), "calculator", tmp_path, calculator
+    )
     names = {r["name"] for r in loaded["results"]}
     assert names == {"calculator float32", "calculator float64", "exported float32",
                      "exported float64"}  # fmt: skip

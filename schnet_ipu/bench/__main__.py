@@ -1,24 +1,13 @@
 """``python -m schnet_ipu.bench SUITE [--quick] [--json PATH] [--out-dir DIR] [--store PATH]``.
 
-Suites: throughput (training molecules/s, ours against stock PyG SchNet), batching (every
-packing algorithm and the static/dynamic baselines), loader (the feed alone against PyG's
-DataLoader), model (forward+backward against PyG's SchNet), gpu (full QM9 epochs against
-stock PyG on a GPU), dense (dense vs sparse message passing), balance (cost-model grouping
-across replicas), calculator (a model file in use: ASE calculator and exported-file latency,
-MD steps per second), accuracy (test MAE after ``--minutes`` of training against stock PyG
-SchNet), forces (energy + force training for ``--minutes`` on a force config's frames, ours
-against schnetpack 2.1.1), force_step (force against energy-only step time on a force
-config), periodic (neighbour-list builders; periodic against molecular steps).
-
-Options some suites take (another suite refuses them): ``--device`` (gpu: cuda or cpu),
-``--subset N`` (gpu, accuracy: molecules; 0 = all), ``--molecules-per-step N`` (gpu),
-``--profile`` (gpu: top kernels per step), ``--minutes M`` (accuracy 10, forces 1.5),
-``--set section.key=value`` (gpu, forces, force_step; repeatable), ``--config C`` (forces,
-force_step), ``--variant`` (repeatable; forces: ``'NAME: key=value ...'``, another row of
-ours; gpu: a step variant of ``gpu.VARIANTS``, all of them by default),
-``--parallel N`` (forces: sides at a time, 2). Each suite prints a table and writes
-``SUITE.json``, ``SUITE.md`` and ``SUITE.png`` in ``--out-dir``; the report records the
-command that made it.
+Suites (each module's docstring says what it measures): throughput, batching, loader, model,
+gpu, dense, balance, calculator, accuracy, forces, force_step, periodic. Suite options
+(another suite refuses them; they override ``--quick``'s reduced settings): ``--device``
+(gpu), ``--subset N`` (gpu, accuracy), ``--molecules-per-step N`` and ``--profile`` (gpu),
+``--minutes M`` (accuracy, forces), ``--set section.key=value`` (gpu, accuracy, forces,
+force_step), ``--config C`` (forces, force_step), ``--variant`` (forces: ``'NAME: key=value
+...'``; gpu: a name of ``gpu.VARIANTS``), ``--parallel N`` (forces). Each writes
+``SUITE.json``, ``.md`` and ``.png`` in ``--out-dir``.
 """
 
 from __future__ import annotations
@@ -64,7 +53,10 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     suite = importlib.import_module(f"schnet_ipu.bench.{args.suite}")
     takes = inspect.signature(suite.run).parameters
-    options = {"out_dir": args.out_dir} if "out_dir" in takes else {}
+    options = dict(suite.QUICK) if args.quick else {}  # the options given override these
+    options.update(
+        {k: v for k, v in (("store", args.store), ("out_dir", args.out_dir)) if k in takes}
+    )
     for option, keyword in OPTIONS.items():
         value = getattr(args, option)
         if value is None:
@@ -74,7 +66,7 @@ def main(argv: list[str] | None = None) -> dict:
             parser.error(f"{flag} is not an option of the {args.suite} suite")
         options[keyword] = value
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    report = suite.run(args.quick, args.store, **options)
+    report = suite.run(**options)
     argv = sys.argv[1:] if argv is None else argv
     report["command"] = shlex.join(["python", "-m", "schnet_ipu.bench", *argv])
     write_report(report, suite.COLUMNS, suite.PLOT, args.out_dir, args.json)

@@ -1,21 +1,11 @@
 """Cost-model grouping across replicas: 2 CPU replicas (gloo), round-robin vs cost model.
 
-Per data set and batching, the epoch's batches (every molecule once) are built the same way
-on every replica, and each replica trains SchNet on its share: forward+backward timed per
-step, then one gloo all-reduce of the merged gradients and an Adam step. Epochs alternate
-between the round-robin schedule and the cost-model schedule after one warm-up epoch and one
-calibration epoch (round-robin on batches of 8, 16 and 64 molecules, whose measured steps
-fit ``a*atoms + b*edges + c``).
-
-* ``dynamic``: the dynamic-batching baseline's batches (greedy fill to ``batch`` molecules
-  within an atom/edge budget), each run at its own shape (no padding): shapes differ.
-* ``packs``: tuple packing, fixed-shape batches of about ``batch`` molecules.
-
-Columns: ``straggler`` = mean over steps of (slowest replica's fwd+bwd / mean replica's);
-``predicted_straggler`` the same from the cost model (an idle slot in the epoch's last step
-counts as 0); ``epoch_s`` = wall time of an epoch (median over epochs); ``r2_fit`` = R^2 on
-the calibration steps, ``r2_predict`` = R^2 of the model's predictions of the measured steps
-of the timed epochs.
+Per data set and batching (``dynamic``: the dynamic-batching baseline at its own shapes;
+``packs``: tuple packing) every replica trains SchNet on its share of one epoch's batches.
+After a warm-up and a calibration epoch (batches of 8, 16 and 64 molecules fit
+``a*atoms + b*edges + c``), round-robin and cost-model epochs alternate. ``straggler``:
+mean over steps of slowest / mean replica fwd+bwd (``predicted_``: by the cost model);
+``r2_fit`` / ``r2_predict``: R^2 on the calibration / timed steps.
 """
 
 from __future__ import annotations
@@ -56,6 +46,7 @@ COLUMNS = ["dataset", "batching", "schedule", "straggler", "predicted_straggler"
            "constant_ms"]  # fmt: skip
 PLOT = ("label", "straggler", "slowest / mean replica fwd+bwd per step")
 REPLICAS = 2
+QUICK = {"sample": 800, "water_clusters": 300, "water_sizes": (3, 20), "epochs": 2}
 
 
 def build_batches(
@@ -189,39 +180,25 @@ def summarise(job: dict, records: list, cost, atoms: np.ndarray, edges: np.ndarr
             measured_all.append(measured[real])
             costs = step_costs(schedule, predicted)
             predicted_all.append(costs[real])
-        rows.append(
-            {
-                "label": f"{job['dataset']}/{job['batching']}/{schedule_name}",
-                "dataset": job["dataset"],
-                "batching": job["batching"],
-                "schedule": schedule_name,
-                "straggler": statistics.median(stragglers),
-                "predicted_straggler": float((costs.max(1) / costs.mean(1)).mean()),
-                "epoch_s": statistics.median(walls),
-                "steps": len(schedule),
-                "batches": len(atoms),
-                "r2_fit": cost.r2,
-                "r2_predict": r_squared(
-                    np.concatenate(predicted_all), np.concatenate(measured_all)
-                ),
-                "per_atom_us": 1e6 * cost.per_atom,
-                "per_edge_us": 1e6 * cost.per_edge,
-                "constant_ms": 1e3 * cost.constant,
-                "epochs": len(walls),
-            }
-        )
+        fit = r_squared(np.concatenate(predicted_all), np.concatenate(measured_all))
+        rows.append({
+            "label": f"{job['dataset']}/{job['batching']}/{schedule_name}",
+            "dataset": job["dataset"], "batching": job["batching"], "schedule": schedule_name,
+            "straggler": statistics.median(stragglers),
+            "predicted_straggler": float((costs.max(1) / costs.mean(1)).mean()),
+            "epoch_s": statistics.median(walls), "steps": len(schedule), "batches": len(atoms),
+            "r2_fit": cost.r2, "r2_predict": fit, "per_atom_us": 1e6 * cost.per_atom,
+            "per_edge_us": 1e6 * cost.per_edge, "constant_ms": 1e3 * cost.constant,
+            "epochs": len(walls),
+        })  # fmt: skip
     return rows
 
 
-def run_balance(
-    store: str | Path = QM9_STORE,
-    sample: int = 4000,
-    water_clusters: int = 600,
-    water_sizes: tuple[int, int] = (3, 30),
-    batch: int = 32,
-    epochs: int = 3,
+def run(
+    store: str | Path = QM9_STORE, sample: int = 4000, water_clusters: int = 600,
+    water_sizes: tuple[int, int] = (3, 30), batch: int = 32, epochs: int = 3,
     size: ModelConfig | None = None,
-) -> dict:
+) -> dict:  # fmt: skip
     """QM9 (a fixed random sample) and synthetic water, dynamic batches and packs."""
     size = size or ModelConfig()
     qm9 = MoleculeStore(store)
@@ -247,21 +224,9 @@ def run_balance(
             rows["round_robin"]["epoch_s"] / rows["cost_model"]["epoch_s"]
         )
     notes = [
-        f"{REPLICAS} CPU replicas (processes, 1 thread each, gloo all-reduce of merged "
-        f"gradients per step), SchNet {size.hidden_channels} features x "
-        f"{size.num_interactions} interactions, radius graph (cutoff {size.cutoff}), about "
-        f"{batch} molecules per batch; QM9: {len(qm9_index)} molecules; water: "
-        f"{water_clusters} synthetic clusters of {water_sizes[0]}-{water_sizes[1]} waters.",
-        f"After a warm-up and a calibration epoch, {epochs} round-robin and {epochs} "
-        "cost-model epochs alternate; medians over epochs.",
-        "The cost model is fitted on the calibration steps of both replicas (batches of 8, 16 "
-        "and 64 molecules; computed atoms and edges of each batch); r2_predict scores it on "
-        "the timed epochs of that schedule.",
+        f"{REPLICAS} CPU replicas (1 thread each, gloo all-reduce per step), SchNet "
+        f"{size.hidden_channels}x{size.num_interactions}, radius {size.cutoff}, about {batch} "
+        f"molecules per batch; QM9 {len(qm9_index)} molecules, water {water_clusters} "
+        f"clusters of {water_sizes[0]}-{water_sizes[1]}; {epochs} epochs per schedule; medians.",
     ]
     return new_report("balance", results, ratios, notes)
-
-
-def run(quick: bool, store: str | Path) -> dict:
-    if quick:
-        return run_balance(store, sample=800, water_clusters=300, water_sizes=(3, 20), epochs=2)
-    return run_balance(store)

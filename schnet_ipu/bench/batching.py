@@ -27,12 +27,12 @@ from schnet_ipu.packing.baselines import BASELINES, run_baseline
 from schnet_ipu.task import masked_mse
 
 PACKERS = ("lpfhp", "tuple", "pad_to_max")
+QUICK = {"sample": 1000, "water_clusters": 100, "water_sizes": (3, 8), "batch_sizes": (32,),
+         "max_shapes": 2, "repeats": 3}  # fmt: skip
 COLUMNS = ["dataset", "algorithm", "batch", "node_efficiency", "edge_efficiency",
            "distinct_shapes", "batches", "step_ms", "molecules_per_s",
            "timed_coverage"]  # fmt: skip
 PLOT = ("label", "molecules_per_s", "estimated training molecules/s (fwd+bwd)")
-
-Shape = tuple[int, int, int]  # atoms, directed edges, molecule slots per batch
 
 
 def epoch_batches(
@@ -70,7 +70,8 @@ def even_max(edges: np.ndarray, packs: list[np.ndarray]) -> int:
     return int(max(edges[p].sum() for p in packs)) or 2
 
 
-def shape_of(layout: Layout) -> Shape:
+def shape_of(layout: Layout) -> tuple[int, int, int]:
+    """Atoms, directed edges and molecule slots of a batch of ``layout``."""
     b = layout.packs_per_batch
     return b * layout.max_nodes, b * layout.max_edges, b * layout.max_graphs
 
@@ -156,16 +157,11 @@ def bench_dataset(
     return rows
 
 
-def run_batching(
-    store: str | Path = QM9_STORE,
-    sample: int = 5000,
-    water_clusters: int = 300,
-    water_sizes: tuple[int, int] = (3, 20),
-    size: ModelConfig | None = None,
-    batch_sizes: tuple[int, ...] = (16, 32, 64),
-    max_shapes: int = 6,
-    repeats: int = 3,
-) -> dict:
+def run(
+    store: str | Path = QM9_STORE, sample: int = 5000, water_clusters: int = 300,
+    water_sizes: tuple[int, int] = (3, 20), size: ModelConfig | None = None,
+    batch_sizes: tuple[int, ...] = (16, 32, 64), max_shapes: int = 6, repeats: int = 3,
+) -> dict:  # fmt: skip
     """QM9 (a fixed random sample) and a temporary synthetic water store, side by side."""
     size = size or ModelConfig()
     qm9 = MoleculeStore(store)
@@ -189,26 +185,11 @@ def run_batching(
             best[f"{dataset}_{batch}_tuple_vs_pad_to_max"] = rate["tuple"] / rate["pad_to_max"]
             best[f"{dataset}_{batch}_lpfhp_vs_dynamic"] = rate["lpfhp"] / rate["dynamic"]
     notes = [
-        f"QM9: {len(qm9_index)} molecules (fixed random sample); water: {water_clusters} "
-        f"synthetic TIP3P clusters of {water_sizes[0]}-{water_sizes[1]} waters.",
-        "batch = molecules per batch (packers: packs per batch chosen to match on average).",
-        f"step_ms: forward+backward of SchNet ({size.hidden_channels} features, "
-        f"{size.num_interactions} interactions, radius graph, cutoff {size.cutoff}, "
-        f"pair-symmetric filters) on a real batch of each of the {max_shapes} most frequent "
-        f"shapes, median of {repeats} rounds (every batch once per round, after a warm-up "
-        "round), weighted by how often each shape occurs; timed_coverage = share of the "
-        "epoch's batches with a timed shape.",
-        "lpfhp packs atoms only, so its edge room is the fullest pack's edges.",
-        "Eager CPU execution does not recompile; distinct_shapes is what a static-shape "
-        "compiler (IPU, torch.compile without dynamic shapes) would compile.",
+        f"QM9: {len(qm9_index)} molecules (fixed sample); water: {water_clusters} clusters of "
+        f"{water_sizes[0]}-{water_sizes[1]}; batch = molecules per batch.",
+        f"step_ms: fwd+bwd of SchNet {size.hidden_channels}x{size.num_interactions} (radius "
+        f"{size.cutoff}) on a real batch of the {max_shapes} most frequent shapes, median of "
+        f"{repeats} rounds, weighted by shape frequency (timed_coverage: the share covered); "
+        "lpfhp's edge room is its fullest pack's; distinct_shapes = static-shape compiles.",
     ]
     return new_report("batching", results, best, notes)
-
-
-def run(quick: bool, store: str | Path) -> dict:
-    if quick:
-        return run_batching(
-            store, sample=1000, water_clusters=100, water_sizes=(3, 8), batch_sizes=(32,),
-            max_shapes=2, repeats=3,
-        )  # fmt: skip
-    return run_batching(store)

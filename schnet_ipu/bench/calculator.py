@@ -1,20 +1,11 @@
 """Using a trained model: calculator and exported-file latency, and MD steps per second.
 
-    python -m schnet_ipu.bench calculator [--quick] [--json out.json]
-
-Two models with random weights, written as checkpoint files, both with the tabulated filter
-(``model.filter=table``): the paper's (``configs/qm9.yaml``: 100 features, 4 blocks, 25
-Gaussians, 6 A) on H/C/N/O molecules of 20 and 200 atoms (a jittered grid, 1.45 A apart),
-and ``configs/emt_bulk.yaml``'s (64 features, 3 blocks, 5 A) on periodic fcc copper cells
-of 20, 200, 1,000 and 10,000 atoms and water boxes (1 g/cm^3) of about 1,000 and 10,000.
-Each is used the ways users do: :class:`~schnet_ipu.calculator.SchNetCalculator` (float32,
-float64) and the TorchScript file of ``train.py export`` (float32, float64; given float64
-positions, as engines pass them), measured in interleaved rounds (one call of each per
-round, so a load change on the shared box hits all four alike); latency is the median
-energy + forces (+ stress for cells) call on moved positions (no cached results). MD steps
-per second: ASE's velocity Verlet (1 fs) through the calculator. Every row carries the
-1-minute load average when it was measured. Weights do not change the arithmetic, so random
-ones measure what a trained model costs.
+Two random-weight checkpoints with the tabulated filter: the paper's (``configs/qm9.yaml``)
+on H/C/N/O molecules of 20 and 200 atoms, and ``configs/emt_bulk.yaml``'s on periodic fcc
+copper (20 to 10,000 atoms) and water boxes. Each is called as
+:class:`~schnet_ipu.calculator.SchNetCalculator` and as the ``train.py export`` TorchScript
+file, float32 and float64, in interleaved rounds on moved positions: the median energy +
+forces (+ stress) call; MD steps per second through ASE's velocity Verlet (1 fs).
 """
 
 from __future__ import annotations
@@ -47,6 +38,7 @@ COLUMNS = ["name", "structure", "atoms", "dtype", "ms_per_call", "md_steps_per_s
 PLOT = ("name", "ms_per_call", "ms per energy + forces (+ stress) call")
 MOLECULE_ELEMENTS = [1, 6, 7, 8]
 CELL_ELEMENTS = [1, 8, 29]
+QUICK = {"quick": True}
 WARM_UP = 3  # rounds left out: TorchScript's profiling executor optimises on the first calls
 
 
@@ -134,13 +126,6 @@ def interleaved_latency(calls: dict[str, Callable], atoms: Atoms, rounds: int) -
     return {name: 1000 * rate.step_seconds for name, rate in rates.items()}
 
 
-def calculator_call(calc: SchNetCalculator) -> Callable:
-    def call(atoms: Atoms) -> None:
-        calc.calculate(atoms, ("energy", "forces"))
-
-    return call
-
-
 def export_call(module: torch.jit.ScriptModule, atoms: Atoms) -> Callable:
     threads = 1 if len(atoms) < ONE_THREAD_ATOMS else torch.get_num_threads()
 
@@ -157,21 +142,16 @@ def export_call(module: torch.jit.ScriptModule, atoms: Atoms) -> Callable:
 
 def cases(quick: bool) -> list[tuple[str, str, Atoms]]:
     """(structure name, model, atoms) of every row."""
-    rows = [
-        ("molecule", "paper", molecule(20)),
-        ("molecule", "paper", molecule(200)),
-        ("Cu fcc", "metal", copper((5, 1, 1))),
-        ("Cu fcc", "metal", copper((5, 5, 2))),
-        ("Cu fcc", "metal", copper((5, 5, 10))),
-        ("water box", "metal", water_box(7)),
-    ]
+    rows = [("molecule", "paper", molecule(20)), ("molecule", "paper", molecule(200))]
+    rows += [("Cu fcc", "metal", copper(r)) for r in ((5, 1, 1), (5, 5, 2), (5, 5, 10))]
+    rows += [("water box", "metal", water_box(7))]
     if not quick:
         rows += [("Cu fcc", "metal", copper((10, 10, 25))), ("water box", "metal", water_box(15))]
     return rows
 
 
-def run(quick: bool, store: str | Path, structures: list | None = None) -> dict:
-    """Every row of ``structures`` (:func:`cases` when None); ``store`` is unused."""
+def run(quick: bool = False, structures: list | None = None) -> dict:
+    """Every row of ``structures`` (:func:`cases` when None); ``quick``: fewer rounds."""
     results = []
     with tempfile.TemporaryDirectory() as folder:
         paths = {
@@ -189,7 +169,10 @@ def run(quick: bool, store: str | Path, structures: list | None = None) -> dict:
         for structure, model, atoms in structures or cases(quick):
             calls = {}
             for dtype in ("float32", "float64"):
-                calls[f"calculator {dtype}"] = calculator_call(calcs[model, dtype])
+                calc = calcs[model, dtype]
+                calls[f"calculator {dtype}"] = lambda a, c=calc: c.calculate(
+                    a, ("energy", "forces")
+                )
                 calls[f"exported {dtype}"] = export_call(modules[model, dtype], atoms)
             rounds = max(3, min(20, 2000 // len(atoms))) if not quick else 3
             latency = interleaved_latency(calls, atoms, rounds)
@@ -198,27 +181,15 @@ def run(quick: bool, store: str | Path, structures: list | None = None) -> dict:
                 dtype = name.split()[-1]
                 steps = max(2, 600 // len(atoms)) if not quick else 2
                 md = md_rate(calcs[model, dtype], atoms, steps) if "calculator" in name else None
-                results.append(
-                    {
-                        "name": name,
-                        "structure": structure,
-                        "atoms": len(atoms),
-                        "dtype": dtype,
-                        "ms_per_call": ms,
-                        "md_steps_per_s": md,
-                        "load_avg": load,
-                    }
-                )
+                results.append({"name": name, "structure": structure, "atoms": len(atoms),
+                                "dtype": dtype, "ms_per_call": ms, "md_steps_per_s": md,
+                                "load_avg": load})  # fmt: skip
                 print(results[-1], flush=True)
     notes = [
         "models: configs/qm9.yaml (molecules) and configs/emt_bulk.yaml (cells), filter=table,"
-        f" random weights; torch threads {torch.get_num_threads()}",
-        "ms_per_call: median energy + forces (+ stress for cells) call, positions moved by "
-        "1e-3 A each call, calculator and export interleaved round by round",
-        "exported: the train.py export file (its own torch-ops neighbour search), float64 "
-        "positions in",
-        "md_steps_per_s: ASE VelocityVerlet, 1 fs, through the calculator",
-        f"structures under {ONE_THREAD_ATOMS} atoms run on one intra-op thread (both ways)",
-        "load_avg: the 1-minute load average after the row's rounds (shared 2-core box)",
+        f" random weights; torch threads {torch.get_num_threads()}; positions moved 1e-3 A "
+        "a call; exported: float64 positions in, its own neighbour search",
+        f"under {ONE_THREAD_ATOMS} atoms both run on one intra-op thread; load_avg: 1-minute "
+        "load after the row's rounds",
     ]
     return new_report("calculator", results, {}, notes)

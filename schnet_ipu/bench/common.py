@@ -7,7 +7,9 @@ Every suite returns a report dict ``{"suite", "machine", "commit", "results", "r
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import itertools
 import json
 import math
 import os
@@ -113,13 +115,9 @@ def packs_for(data: PreparedData, molecules_per_batch: float) -> int:
 
 
 def our_trainer(
-    store: str | Path,
-    sample: int,
-    size: ModelConfig,
-    overrides: list[str],
-    batch_molecules: float,
-    replicas: int = 1,
-) -> tuple[Config, PreparedData, PackedLoader, Any]:
+    store: str | Path, sample: int, size: ModelConfig, overrides: list[str],
+    batch_molecules: float, replicas: int = 1,
+) -> tuple[Config, PreparedData, PackedLoader, Any]:  # fmt: skip
     """The trainer's own setup (model, fused Adam, standardised loss) on a sample of
     ``store``: config, data, this replica's training loader and the backend. ``replicas`` >
     1: this process is one of R data-parallel replicas (it joins their group here) training
@@ -136,14 +134,7 @@ def our_trainer(
 def training_step(loader: PackedLoader, backend) -> Callable[[], int]:
     """One host call: the next micro-batches from the loader (epoch after epoch), then
     ``train_call``; returns the molecules trained."""
-
-    def host_calls():
-        epoch = 0
-        while True:
-            yield from loader.epoch(epoch)
-            epoch += 1
-
-    calls = host_calls()
+    calls = itertools.chain.from_iterable(loader.epoch(e) for e in itertools.count())
 
     def step() -> int:
         return sum(r["molecules"] for r in backend.train_call(next(calls)))
@@ -171,13 +162,10 @@ def train_for(cfg: Config, minutes: float, run_dir: Path) -> tuple[dict, list[di
 
 def machine() -> dict[str, Any]:
     cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    with contextlib.suppress(OSError):
+        names = [line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                 if line.startswith("model name")]  # fmt: skip
+        cpu = names[0].split(":", 1)[1].strip() if names else cpu
     return {
         "cpu": cpu,
         "cores": os.cpu_count(),
@@ -191,20 +179,17 @@ def machine() -> dict[str, Any]:
 
 def commit() -> str | None:
     """The git sha of the checkout, with ``-dirty`` when it has uncommitted changes."""
+
+    def git(*args: str) -> str:
+        run = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True)
+        run.check_returncode()
+        return run.stdout.strip()
+
     try:
-        git = ["git", "-C", str(ROOT)]
-        sha = subprocess.run(
-            [*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            [*git, "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+        return git("rev-parse", "HEAD") + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return None
-    return sha + ("-dirty" if dirty else "")
 
 
 def new_report(suite: str, results: list[dict], ratios: dict, notes: list[str]) -> dict:

@@ -1,11 +1,6 @@
-"""Dense vs sparse message passing: training molecules/s on QM9 and water, side by side.
-
-Every variant trains the same SchNet through the real pipeline (packed loader batches into
-``TorchBackend.train_call``) at the default packing of its graph, about ``batch_molecules``
-molecules per step; the sparse and dense variants of one data set and graph read the same
-packs. Pair efficiency = real pairs within the cutoff (or the k nearest, knn) / pairs the
-layout computes: edge slots for sparse, ``B * M^2`` for dense whole-pack blocks, and for
-comparison per-molecule blocks of size S (the largest molecule), ``molecules * S^2``.
+"""Dense vs sparse message passing: training molecules/s on QM9 and water, side by side,
+through the real pipeline at each graph's default packing (sparse and dense read the same
+packs). Pair efficiency = real pairs / pairs the layout computes.
 """
 
 from __future__ import annotations
@@ -33,6 +28,8 @@ COLUMNS = ["dataset", "graph", "message_passing", "molecules_per_s", "step_ms", 
            "packs_per_batch", "pair_efficiency", "per_molecule_block_efficiency",
            "dense_vs_sparse"]  # fmt: skip
 PLOT = ("label", "molecules_per_s", "training molecules/s")
+QUICK = {"sample": 600, "water_clusters": 150, "water_sizes": (3, 10),
+         "timing": Timing(warmup=1, steps=4, repeats=3)}  # fmt: skip
 
 
 def variant(store: str, sample: int, size: ModelConfig, overrides: list[str], batch: int):
@@ -65,15 +62,11 @@ def variant(store: str, sample: int, size: ModelConfig, overrides: list[str], ba
     return row, training_step(loader, backend)
 
 
-def run_dense(
-    store: str | Path = QM9_STORE,
-    sample: int = 2000,
-    water_clusters: int = 400,
-    water_sizes: tuple[int, int] = (3, 20),
-    batch_molecules: int = 32,
-    size: ModelConfig | None = None,
-    timing: Timing | None = None,
-) -> dict:
+def run(
+    store: str | Path = QM9_STORE, sample: int = 2000, water_clusters: int = 400,
+    water_sizes: tuple[int, int] = (3, 20), batch_molecules: int = 32,
+    size: ModelConfig | None = None, timing: Timing | None = None,
+) -> dict:  # fmt: skip
     """QM9 (a fixed random sample) and a temporary synthetic water store; every data set,
     graph and layout timed side by side."""
     size = size or ModelConfig()
@@ -111,24 +104,11 @@ def run_dense(
             row["dense_vs_sparse"] = row["molecules_per_s"] / sparse
             ratios[f"{row['dataset']}_{row['graph']}_dense_vs_sparse"] = row["dense_vs_sparse"]
     notes = [
-        f"QM9: {sample} training molecules (fixed random sample); water: {water_clusters} "
-        f"synthetic clusters of {water_sizes[0]}-{water_sizes[1]} waters. SchNet "
-        f"{size.hidden_channels} features x {size.num_interactions} interactions, cutoff "
-        f"{size.cutoff}, k={size.k} for knn; about {batch_molecules} molecules per step; "
-        f"{torch.get_num_threads()} torch threads; eager CPU, no GPU on this machine.",
-        f"Timing: {timing.warmup} warm-up calls, then {timing.repeats} rounds of "
-        f"{timing.steps} steps of every variant in turn; medians.",
-        "pair_efficiency: the layout's own (sparse: real edges / edge slots; dense: real "
-        "pairs / B M^2); per_molecule_block_efficiency: real pairs / (molecules x S^2) with "
-        "S the largest molecule, the blocks a per-molecule dense layout would compute.",
+        f"QM9 {sample} molecules; water {water_clusters} clusters of {water_sizes[0]}-"
+        f"{water_sizes[1]}; SchNet {size.hidden_channels}x{size.num_interactions}, cutoff "
+        f"{size.cutoff}, k={size.k}; about {batch_molecules} molecules per step; "
+        f"{torch.get_num_threads()} threads; {timing.repeats} rounds of {timing.steps} steps.",
+        "pair_efficiency: real pairs / computed (sparse: edge slots; dense: B M^2); "
+        "per_molecule_block_efficiency: real pairs / (molecules x S^2), S the largest molecule.",
     ]
     return new_report("dense", rows, ratios, notes)
-
-
-def run(quick: bool, store: str | Path) -> dict:
-    if quick:
-        return run_dense(
-            store, sample=600, water_clusters=150, water_sizes=(3, 10),
-            timing=Timing(warmup=1, steps=4, repeats=3),
-        )  # fmt: skip
-    return run_dense(store)

@@ -4,27 +4,13 @@
         [--set section.key=value ...] [--variant "NAME: key=value key=value" ...]
         [--parallel 2] [--out-dir DIR]
 
-On the frames of a force config (``data.files``, imported into its store; the store's split,
-so both sides train, validate and test on the same frames), with the config's model size:
-
-* ours: the config with ``optim.max_minutes=M`` (its recipe: packs per batch, learning rate
-  and schedule, force weight, EMA), trained by ``train.py``'s own loop; test errors of its
-  best-validation weights from the final record;
-* schnetpack 2.1.1: its SchNet of the same size with its stock MD17-style recipe, trained by
-  its own Lightning loop for M minutes (:mod:`schnet_ipu.bench.schnetpack_side`);
-* ``--variant``: more rows of ours, the config with the variant's overrides on top (the
-  recipe search).
-
-The sides run as separate processes, ``--parallel`` at a time (default 2: schnetpack and ours
-start together and share the machine's load alike; 1 runs them one after the other), one
-torch thread each. Every row reports training structures/s, test energy MAE (meV/atom and eV
-per structure) and test force MAE (eV/A per component), with the machine's 1-minute load
-average at the end of its wave; the ratios are ours (the config, no variant) over schnetpack;
-``forces_vs_time.png`` in ``--out-dir`` draws the validation errors against seconds of
-training, both sides.
-
-schnetpack is a bench-only extra (``pip install -e .[bench]``): without it the suite stops
-with one line saying so, before any work. Nothing in the tests imports it.
+On a force config's frames and split, same model size: ours (the config with
+``optim.max_minutes=M``, ``train.py``'s loop), schnetpack with its stock MD17-style recipe
+(:mod:`schnet_ipu.bench.schnetpack_side`) and ``--variant`` rows of ours (the config plus
+the variant's overrides). Sides run as processes, ``--parallel`` at a time, one torch thread
+each; rows: structures/s, test energy and force MAE, the 1-minute load average of their
+wave; ``forces_vs_time.png`` draws the validation curves. schnetpack is a bench-only extra
+(``pip install -e .[bench]``); without it the suite stops with one line.
 """
 
 from __future__ import annotations
@@ -37,7 +23,6 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from schnet_ipu.bench.common import ROOT, curve_plot, new_report, ratio, train_for
 from schnet_ipu.config import Config, load_config
@@ -50,6 +35,7 @@ COLUMNS = ["name", "minutes", "structures_per_s", "test_energy_mae_meV_per_atom"
            "test_energy_mae_eV", "test_force_mae", "structures_seen", "epochs",
            "load_1min"]  # fmt: skip
 PLOT = ("name", "test_force_mae", "test force MAE after equal wall time (eV/A)")
+QUICK = {"minutes": 0.25}
 FORCES_PLOT = ["validation force MAE (eV/A)", "validation energy MAE (eV)"]
 
 
@@ -97,9 +83,7 @@ def train_ours(cfg: Config, minutes: float, run_dir: Path, name: str = OURS) -> 
     seen = sum(r["molecules_per_s"] * r["epoch_seconds"] for r in epochs)
     return {
         "name": name,
-        "test_mae": final["test_mae"],
-        "test_energy_mae_per_atom": final["test_energy_mae_per_atom"],
-        "test_force_mae": final["test_force_mae"],
+        **{key: final[key] for key in ("test_mae", "test_energy_mae_per_atom", "test_force_mae")},
         "structures_per_s": seen / max(sum(r["epoch_seconds"] for r in epochs), 1e-9),
         "structures_seen": seen,
         "epochs": sum(r["epoch_fraction"] for r in epochs),
@@ -114,7 +98,6 @@ def _side(job: dict, out: str) -> None:
         from schnet_ipu.bench.schnetpack_side import train_schnetpack
 
         os.chdir(Path(job["database"]).parent)  # its data module locks splitting.lock in "."
-
         row = train_schnetpack(job["model"], job["database"], job["split"], job["minutes"])
     else:
         row = train_ours(job["cfg"], job["minutes"], Path(job["run_dir"]), job["name"])
@@ -162,19 +145,12 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
 
 
 def run(
-    quick: bool,
-    store: str | Path,
-    minutes: float = 1.5,
-    config: str | Path = DEFAULT_CONFIG,
-    overrides: list[str] | None = None,
-    variants: list[str] | None = None,
-    parallel: int = 2,
+    minutes: float = 1.5, config: str | Path = DEFAULT_CONFIG,
+    overrides: list[str] | None = None, variants: list[str] | None = None, parallel: int = 2,
     out_dir: str | Path = "bench_results",
-) -> dict:
-    """Both sides for ``minutes`` (``quick``: 0.25) on ``config``'s frames; ``store`` is the
-    QM9 store of the other suites, unused here (the config names the data)."""
+) -> dict:  # fmt: skip
+    """Both sides for ``minutes`` on ``config``'s frames (the config names the data)."""
     require_schnetpack()
-    minutes = min(minutes, 0.25) if quick else minutes
     cfg = force_config(config, list(overrides or []))
     data = prepare_data(cfg)  # the store and its split, before the sides read them
     with tempfile.TemporaryDirectory() as tmp:
@@ -211,16 +187,11 @@ def run(
     split = {name: len(index) for name, index in data.split.items()}
     notes = [
         f"{minutes} min each on {cfg.data.files} ({split}), {parallel} side(s) at a time, "
-        f"one torch thread each; torch {torch.__version__}",
-        f"model: {cfg.model.hidden_channels} features, {cfg.model.num_filters} filters, "
-        f"{cfg.model.num_interactions} interactions, {cfg.model.num_gaussians} Gaussians, "
-        f"cutoff {cfg.model.cutoff} A; ours filter={cfg.model.filter}",
+        f"one torch thread each; model {cfg.model.hidden_channels}/{cfg.model.num_filters}/"
+        f"{cfg.model.num_interactions}/{cfg.model.num_gaussians}, cutoff {cfg.model.cutoff}",
         f"ours: {config} {' '.join(overrides or [])}; packs_per_batch "
         f"{cfg.packing.packs_per_batch}, lr {cfg.optim.lr} {cfg.optim.schedule}, forces_weight "
-        f"{cfg.optim.forces_weight}, ema_decay {cfg.optim.ema_decay}",
-        f"schnetpack: {stock['recipe']}",
-        "structures/s: training structures over seconds of training steps (data included, "
-        "validation not); errors: best-validation weights on the test split",
-        f"forces_vs_time.png in {out}: validation errors against minutes of training",
+        f"{cfg.optim.forces_weight}, ema_decay {cfg.optim.ema_decay}; schnetpack: "
+        f"{stock['recipe']}; errors: best-validation weights on the test split",
     ]
     return new_report("forces", rows, ratios, notes)

@@ -1,22 +1,12 @@
-"""Full QM9 training epochs on one GPU: ours (each precision, with and without a CUDA graph
-per step, and the faster step variants) against stock PyG SchNet on PyG's DataLoader, side by
-side in one process.
+"""Full QM9 training epochs on one GPU: ours (each precision, eager and a CUDA graph per
+step, and the tf32 step ``VARIANTS``) against stock PyG SchNet, side by side in one process.
 
     python -m schnet_ipu.bench gpu --json docs/benchmarks/gpu-h100.json --profile
     python -m schnet_ipu.bench gpu --device cpu --subset 300 --quick   # a smoke run on a CPU
 
-The step variants (``VARIANTS``, tf32 with a CUDA graph per step): ``compiled``
-(``backend.compile=true``: inductor's forward + loss + backward inside the captured graph),
-``fused`` (``model.ops=triton``: the Triton message-passing kernels) and ``table`` (the
-tabulated filter, ``model.filter=table``, read by the Triton kernels) and ``compiled fused``
-(both: inductor around the kernels). ``--profile`` adds a
-torch profiler table of the top kernels per step of every variant of ours.
-
-Every variant trains the paper model (configs/qm9.yaml: 100 features, 4 interactions,
-25 Gaussians, cutoff 6 A, Adam 1e-3) on the same training split. Round 0 is an untimed
-warm-up epoch of every variant (graph capture, cuBLAS set-up, caches); then each round
-times one full epoch of each variant in turn, so a change in the machine's load hits every
-variant alike. Medians over the rounds.
+Every variant trains configs/qm9.yaml's model on the same split: an untimed warm-up epoch of
+each, then rounds of one epoch of each in turn (the common timer); medians. ``--profile``:
+the top kernels per step of every variant of ours.
 """
 
 from __future__ import annotations
@@ -64,6 +54,7 @@ VARIANTS = {  # name -> config overrides
     "compiled fused": ["backend.compile=true", "model.ops=triton"],
 }
 CUDA_ONLY = ("fused", "table", "compiled fused")  # the Triton kernels need CUDA tensors
+QUICK = {"rounds": 1, "pyg_batches": (32, 128)}
 PROFILE_STEPS = 20
 PROFILE_ROWS = 15
 
@@ -174,8 +165,7 @@ def time_rounds(epochs: dict[str, Epoch], rounds: int, device: str) -> dict[str,
         counts = last[name]
         median = rate.step_seconds
         results[name] = {
-            "epoch_seconds": median,
-            "epoch_seconds_all": rate.seconds,
+            "epoch_seconds": median, "epoch_seconds_all": rate.seconds,
             "molecules_per_s": counts["molecules"] / median,
             "molecules_per_step": counts["molecules"] / counts["steps"],
             "steps_per_epoch": counts["steps"],
@@ -183,43 +173,38 @@ def time_rounds(epochs: dict[str, Epoch], rounds: int, device: str) -> dict[str,
             "data_fraction": counts["data_seconds"] / median if "data_seconds" in counts else None,
             "train_loss_last_epoch": counts.get("loss"),
             "compiled_graphs_after_warmup": counts.get("recompiles"),
-        }
+        }  # fmt: skip
     return results
 
 
-def run_gpu(
-    store: str | Path = QM9_STORE,
-    device: str = "cuda",
-    subset: int = 0,
-    rounds: int = 3,
-    pyg_batches: tuple[int, ...] = (32, 128, 512),
-    precisions: tuple[str, ...] = PRECISIONS,
-    overrides: list[str] = (),
-    molecules_per_step: int = 32,
-    variants: tuple[str, ...] = (),
-    profile: bool = False,
-) -> dict:
+def run(
+    store: str | Path = QM9_STORE, device: str = "cuda", subset: int = 0, rounds: int = 3,
+    pyg_batches: tuple[int, ...] = (32, 128, 512), precisions: tuple[str, ...] = PRECISIONS,
+    overrides: list[str] = (), molecules_per_step: int = 32,
+    variants: tuple[str, ...] = tuple(VARIANTS), profile: bool = False,
+) -> dict:  # fmt: skip
     """Every variant side by side; ``ratio_vs_pyg_best``: PyG's fastest epoch over ours.
 
     CUDA-graph variants need a CUDA ``device`` (on a CPU only the eager ones run, and of
-    ``variants`` (names in ``VARIANTS``) only ``compiled``, without a graph). Ours trains
-    about ``molecules_per_step`` molecules per optimiser step (whole packs); PyG runs batches
-    of each size in ``pyg_batches``. ``profile``: a profiler table per variant of ours.
+    ``variants`` only ``compiled``, without a graph). Ours trains about
+    ``molecules_per_step`` molecules per optimiser step (whole packs); PyG runs batches of
+    each size in ``pyg_batches`` and of ``molecules_per_step``. ``profile``: a profiler table
+    per variant of ours.
     """
+    pyg_batches = tuple(sorted({*pyg_batches, molecules_per_step}))
     cfg = paper_config(store, device, subset, list(overrides))
     data = prepare_data(cfg)
     cfg.packing.packs_per_batch = packs_for(data, molecules_per_step)
-    loader = make_loader(cfg, data, "train", pin_memory=device.startswith("cuda"), device=device)
-    graph_choices = (False, True) if device.startswith("cuda") else (False,)
+    cuda = device.startswith("cuda")
+    loader = make_loader(cfg, data, "train", pin_memory=cuda, device=device)
     epochs: dict[str, Epoch] = {}
     backends: dict[str, object] = {}
     configs: dict[str, Config] = {}
     skipped: list[str] = []
     for precision in precisions:
-        for graphs in graph_choices:
+        for graphs in (False, True) if cuda else (False,):
             name = f"ours {precision}" + (" cuda graph" if graphs else " eager")
             configs[name] = variant_config(cfg, precision, graphs)
-    cuda = device.startswith("cuda")
     for variant in variants:
         name = f"ours {VARIANT_PRECISION} {variant}" + (" cuda graph" if cuda else "")
         if variant in CUDA_ONLY and not cuda:
@@ -235,53 +220,39 @@ def run_gpu(
     for batch_size in pyg_batches:
         epochs[f"{PYG} batch {batch_size}"] = stock_pyg(data, cfg, batch_size, device, items)
     measured = time_rounds(epochs, rounds, device)
-    profiles = {}
-    if profile:
-        for name, backend in backends.items():
-            profiles[name] = profile_steps(backend, loader, device)
-
+    profiles = {n: profile_steps(b, loader, device) for n, b in backends.items() if profile}
     rows = []
     for name, row in measured.items():
         row = {"name": name, **row}
         if name in backends:
-            backend = backends[name]
-            val_loader = make_loader(configs[name], data, "val")
-            val = evaluate(make_task(configs[name], data), backend, val_loader, "val")
-            row.update(
-                precision=configs[name].backend.precision,
-                cuda_graph=configs[name].backend.cuda_graphs == "true",
-                compile=configs[name].backend.compile,
-                ops=configs[name].model.ops,
-                graph_recaptures=max(backend.graph_captures - 1, 0),
-                recompilations=backend.recompilations,
-                val_mae=val["mae"],
-            )
+            backend, variant = backends[name], configs[name]
+            val_loader = make_loader(variant, data, "val")
+            val = evaluate(make_task(variant, data), backend, val_loader, "val")
+            row.update(precision=variant.backend.precision,
+                       cuda_graph=variant.backend.cuda_graphs == "true",
+                       compile=variant.backend.compile, ops=variant.model.ops,
+                       graph_recaptures=max(backend.graph_captures - 1, 0),
+                       recompilations=backend.recompilations, val_mae=val["mae"])  # fmt: skip
         rows.append(row)
     seconds = {row["name"]: row["epoch_seconds"] for row in rows}
     best_ours = min((n for n in seconds if n.startswith("ours")), key=seconds.get)
     best_pyg = min((n for n in seconds if n.startswith(PYG)), key=seconds.get)
     for row in rows:
         row["ratio_vs_pyg_best"] = ratio(seconds[best_pyg], row["epoch_seconds"])
-    ratios = {
-        "best_ours": best_ours,
-        "best_pyg": best_pyg,
-        "ratio_vs_pyg_best": ratio(seconds[best_pyg], seconds[best_ours]),
-        "ratio_vs_pyg_batch_32": ratio(
-            seconds.get(f"{PYG} batch 32", math.nan), seconds[best_ours]
-        ),
-    }
-    on = torch.device(device)
+    ratios = {"best_ours": best_ours, "best_pyg": best_pyg,
+              "ratio_vs_pyg_best": ratio(seconds[best_pyg], seconds[best_ours]),
+              "ratio_vs_pyg_batch_32": ratio(seconds.get(f"{PYG} batch 32", math.nan),
+                                             seconds[best_ours])}  # fmt: skip
     feed_device = str(loader.dataset.arrays.device)
     report = new_report("gpu", rows, ratios, notes(cfg, data, rounds, device, subset, feed_device))
     report["notes"] += [f"Skipped {line}" for line in skipped]
     if profiles:
         report["profiles"] = profiles
     report["device"] = {
-        "name": torch.cuda.get_device_name(on) if on.type == "cuda" else "cpu (not a GPU run)",
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "cudnn": torch.backends.cudnn.version() if on.type == "cuda" else None,
-    }
+        "name": torch.cuda.get_device_name(device) if cuda else "cpu (not a GPU run)",
+        "torch": torch.__version__, "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if cuda else None,
+    }  # fmt: skip
     return report
 
 
@@ -325,37 +296,18 @@ def notes(
     lines = [
         f"{len(data.split['train'])} QM9 training molecules"
         + (f" (a {subset}-molecule subset: NOT a full-epoch figure)" if subset else "")
-        + f", target {cfg.data.target}; SchNet {cfg.model.hidden_channels} features, "
-        f"{cfg.model.num_interactions} interactions, {cfg.model.num_gaussians} Gaussians, "
-        f"cutoff {cfg.model.cutoff}; Adam lr {cfg.optim.lr}, constant during the benchmark.",
+        + f", target {cfg.data.target}; SchNet {cfg.model.hidden_channels}/"
+        f"{cfg.model.num_interactions}/{cfg.model.num_gaussians}, cutoff {cfg.model.cutoff}; "
+        f"Adam lr {cfg.optim.lr}, constant.",
         f"Ours: {cfg.packing.packs_per_batch} packs of {plan.max_nodes} atoms / "
-        f"{plan.max_edges} edges / {plan.max_graphs} molecules per step (tuple packing, "
-        f"radius graph, pair-symmetric filters), {cfg.loader.workers} loader worker(s), "
-        f"batches assembled on {feed_device} (loader.device_resident="
-        f"{cfg.loader.device_resident}; from a CPU feed to CUDA: pinned, non-blocking "
-        "copies); the step losses are read once per epoch.",
-        f"Stock PyG: torch_geometric.nn.models.SchNet with its DataLoader (shuffle) on the "
-        f"same molecules and loss, torch's default Adam; radius graph: {pyg.RADIUS_BUILDER}.",
-        f"Timing: an untimed warm-up epoch of every variant, then {rounds} round(s) of one "
-        "epoch of each variant in turn; medians. data_fraction: share of our epoch spent "
-        "waiting for the loader. val_mae: validation MAE (eV) after the warm-up and timed "
-        "epochs (every variant of ours trains the same batches from the same initial weights, "
-        "so they differ by precision and rounding only). compiled_graphs_after_warmup: dynamo "
-        "graphs compiled after the warm-up epoch (0: no recompilation).",
-        "graph_recaptures: CUDA-graph captures after the first (the shape guard makes a "
-        "re-capture impossible: a changed shape raises instead).",
+        f"{plan.max_edges} edges / {plan.max_graphs} molecules per step, "
+        f"{cfg.loader.workers} loader worker(s), batches assembled on {feed_device}; losses "
+        f"read once per epoch. PyG: its DataLoader, same loss, radius graph {pyg.RADIUS_BUILDER}.",
+        f"Timing: a warm-up epoch, then {rounds} round(s) of one epoch of each; medians. "
+        "data_fraction: share of the epoch waiting for the loader; val_mae after the timed "
+        "epochs; compiled_graphs_after_warmup: dynamo graphs compiled later (0: none); "
+        "graph_recaptures: CUDA-graph captures after the first.",
     ]
     if not device.startswith("cuda"):
         lines.append(f"Run on {device}: CUDA-graph variants skipped; no GPU memory figures.")
     return lines
-
-
-def run(quick: bool, store: str, device: str = "cuda", subset: int = 0,
-        overrides: list[str] = (), molecules_per_step: int = 32, profile: bool = False,
-        variants: tuple[str, ...] = tuple(VARIANTS)) -> dict:  # fmt: skip
-    options = {"overrides": overrides, "molecules_per_step": molecules_per_step,
-               "variants": variants, "profile": profile}  # fmt: skip
-    sizes = {32, 128, molecules_per_step} if quick else {32, 128, 512, molecules_per_step}
-    pyg_batches = tuple(sorted(sizes))  # PyG at our step size too
-    return run_gpu(store, device, subset, rounds=1 if quick else 3, pyg_batches=pyg_batches,
-                   **options)  # fmt: skip

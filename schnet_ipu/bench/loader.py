@@ -1,16 +1,7 @@
 """Loader-only molecules/s of ``configs/qm9.yaml``'s training loader, cold and warm, for
-every feed mode, side by side with stock PyG's DataLoader over the same molecules.
-
-Modes: in-process (workers 0), background threads (workers 1, 2), in-process with the
-torch program instead of numba's compiled loop (what runs where numba is missing, and what
-a GPU runs), and device-resident (the split's arrays on the training device: CUDA when
-present, else the CPU, where it is the in-process mode on the same tensors). Cold: the
-one-time radius-pair build of a fresh store copy, plus reading the store into the feed
-arrays, plus the first epoch; warm: the median of the next epochs. PyG:
-``torch_geometric.loader.DataLoader`` over ``Data`` objects read from the store, the radius
-graph built per molecule as a transform (pure torch; torch-cluster is not installed); cold
-includes reading the molecules into ``Data`` objects. Imports (torch, PyG, numba's loading
-of the compiled loop) are outside every row's timing.
+every feed mode (in-process, background threads, the torch program instead of numba's loop,
+device-resident), side by side with stock PyG's DataLoader over the same molecules (radius
+edges per molecule as a transform). Imports are outside every row's timing.
 """
 
 from __future__ import annotations
@@ -47,16 +38,13 @@ NO_GPU = " (no GPU here: the in-process program on the same CPU tensors)"
 CONFIG = PAPER_CONFIG
 WARM_EPOCHS = 5  # warm = the median epoch of these rounds (a shared machine is noisy)
 PYG = "stock PyG DataLoader"
+QUICK = {"extra": ("data.subset=20000", "data.val=1000", "data.test=1000"), "workers": (0, 1)}
 
 
 def rss_mb() -> float:
     """Resident memory of this process now, MB."""
     pages = int(Path("/proc/self/statm").read_text().split()[1])
     return pages * resource.getpagesize() / 2**20
-
-
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def synchronised(loader: PackedLoader) -> float:
@@ -96,15 +84,9 @@ def ours(
     chunk = loader.chunk_batches * loader.dataset.layout.batch_bytes(arrays.forces is not None)
     # chunk memory: the buffers the loader keeps for reuse, else the chunks in flight at most
     in_flight = loader.buffers.nbytes() if loader.buffers else chunk * (loader.ahead + 1)
-    row = {
-        "name": name,
-        "workers": workers,
-        "device": str(arrays.device),
-        "cold_molecules_per_s": molecules / (pairs_s + cold),
-        "molecules": molecules,
-        "feed_state_mb": (arrays.nbytes() + in_flight) / 2**20,
-        "rss_mb": rss_mb(),
-    }
+    row = {"name": name, "workers": workers, "device": str(arrays.device),
+           "cold_molecules_per_s": molecules / (pairs_s + cold), "molecules": molecules,
+           "feed_state_mb": (arrays.nbytes() + in_flight) / 2**20, "rss_mb": rss_mb()}  # fmt: skip
     return row, loader
 
 
@@ -131,14 +113,9 @@ def stock(data: PreparedData, cutoff: float, batch_size: int, limit: int):
     start = time.perf_counter()
     loader = DataLoader(Molecules(pyg.items(data, "train", limit)), batch_size, shuffle=True)
     molecules = sum(batch.num_graphs for batch in loader)
-    row = {
-        "name": PYG,
-        "workers": 0,
-        "device": "cpu",
-        "cold_molecules_per_s": molecules / (time.perf_counter() - start),
-        "molecules": molecules,
-        "rss_mb": rss_mb(),
-    }
+    row = {"name": PYG, "workers": 0, "device": "cpu",
+           "cold_molecules_per_s": molecules / (time.perf_counter() - start),
+           "molecules": molecules, "rss_mb": rss_mb()}  # fmt: skip
     return row, lambda: sum(batch.num_graphs for batch in loader)
 
 
@@ -147,20 +124,20 @@ def progress(row: dict) -> None:
     print(f"{row['name']}: cold {row['cold_molecules_per_s']:.0f} molecules/s", file=sys.stderr)
 
 
-def run_loader(
+def run(
     store: str | Path = QM9_STORE,
-    overrides: tuple[str, ...] = (),
+    extra: tuple[str, ...] = (),
     workers: tuple[int, ...] = (0, 1, 2),
     pyg_molecules: int = 10000,
 ) -> dict:
-    """Every mode on ``configs/qm9.yaml`` (plus ``overrides``) over ``store``, side by side."""
+    """Every mode on ``configs/qm9.yaml`` (plus ``extra`` overrides) over ``store``."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     MoleculeStore(store)  # a bad store is refused under its own name, not the copy's
     with tempfile.TemporaryDirectory() as fresh:
         copy = Path(fresh) / Path(store).name  # no pairs file yet: cold builds it
         shutil.copy(store, copy)
         base = [f"data.path={copy}", "backend.device=cpu", "backend.replicas=1"]
-        cfg = load_config(CONFIG, [*base, *overrides])
+        cfg = load_config(CONFIG, [*base, *extra])
         data = prepare_data(cfg)
         pairs_s = data.timings.get("edge_counts", 0.0)
         loop = compiled_feed.AVAILABLE  # numba's compiled loop fills CPU batches
@@ -191,38 +168,15 @@ def run_loader(
         "default_vs_pyg_warm": default["vs_pyg_warm"],
         "default_vs_pyg_cold": default["vs_pyg_cold"],
         "pairs_build_seconds": pairs_s,
-        "peak_rss_mb": peak_rss_mb(),
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
+    no_numba = "" if compiled_feed.AVAILABLE else " (numba missing: all rows the torch program)"
     notes = [
-        f"configs/qm9.yaml training loader ({cfg.model.graph} graphs, cutoff "
-        f"{cfg.model.cutoff}, {cfg.packing.algorithm} packing, {cfg.packing.packs_per_batch} "
-        f"packs per batch) on {len(data.split['train'])} training molecules of {store}.",
-        f"Cold = radius-pair build of a fresh store copy ({pairs_s:.1f} s, paid once per store "
-        "and cutoff) + reading the store into feed arrays + the first epoch (which counts "
-        f"every batch's molecules); warm = the median of {WARM_EPOCHS} rounds in which every "
-        "mode and PyG run their next epoch in turn, iterating the loader alone (every epoch "
-        "holds every training molecule once).",
-        "workers = background threads assembling chunks of batches ahead (no processes).",
-        "CPU batches are filled by numba's compiled loop"
-        + (
-            "; the 'torch program' row fills them by the torch program instead (what runs "
-            "without numba, and on a GPU for device-resident data)."
-            if compiled_feed.AVAILABLE
-            else ": NOT here (numba is not installed): every row ran the torch program."
-        ),
-        f"device-resident ran on {device}{NO_GPU if device == 'cpu' else ''}.",
-        f"PyG: stock DataLoader, {reference['molecules']} of the same molecules, "
-        f"{max(1, round(per_batch))} per batch (ours' mean), radius graph per molecule by "
-        "schnet_ipu.data.radius_edges as a transform (torch-cluster is not installed).",
-        "feed_state_mb: the feed arrays plus the chunk memory kept for reuse (the chunks in "
-        "flight, where none is kept); rss_mb: this process after the mode's cold epoch "
-        "(earlier modes' loaders still held); peak_rss_mb: the whole run (prepare_data and "
-        "PyG included).",
+        f"configs/qm9.yaml's training loader on {len(data.split['train'])} molecules of "
+        f"{store}; cold = pair build ({pairs_s:.1f} s, once per store) + feed arrays + first "
+        f"epoch; warm = median of {WARM_EPOCHS} interleaved epochs; workers = threads{no_numba}.",
+        f"device-resident ran on {device}{NO_GPU if device == 'cpu' else ''}; PyG: "
+        f"{reference['molecules']} molecules, {max(1, round(per_batch))} per batch, radius "
+        "edges as a transform; feed_state_mb: feed arrays + chunk memory.",
     ]
     return new_report("loader", [*rows, reference], ratios, notes)
-
-
-def run(quick: bool, store: str | Path) -> dict:
-    if quick:
-        return run_loader(store, ("data.subset=20000", "data.val=1000", "data.test=1000"), (0, 1))
-    return run_loader(store)

@@ -27,14 +27,10 @@ SIZE = ModelConfig(hidden_channels=100, num_filters=100, num_interactions=4, num
 # graph -> (pair_symmetric, filter) of our variants
 SETTINGS = {"knn": [(True, "exact"), (True, "table")],
             "radius": [(True, "exact"), (False, "exact"), (True, "table")]}  # fmt: skip
-PYG_NOTE = (
-    "PyG's default radius graph needs torch-cluster (not installed): PyG is given an "
-    "interaction_graph callable in pure torch returning the real edges of our graph "
-    "(precomputed, not timed) and their lengths from pos (timed). Our knn search is timed."
-)
 COLUMNS = ["name", "ms_per_batch", "ms_min", "molecules_per_s", "speedup_vs_pyg",
            "speedup_vs_pyg_min"]  # fmt: skip
 PLOT = ("name", "molecules_per_s", "forward+backward molecules/s")
+QUICK = {"molecules": 128, "repeats": 3}
 
 
 def one_batch(store: MoleculeStore, index: np.ndarray, algorithm: str, layout: dict) -> tuple:
@@ -53,32 +49,30 @@ def one_batch(store: MoleculeStore, index: np.ndarray, algorithm: str, layout: d
 
 
 def run(
-    quick: bool,
     store: str,
+    molecules: int = 512,
+    repeats: int = 5,
     max_nodes: int = 64,
     max_graphs: int = 16,
     seed: int = 0,
     filter_points: int = 256,
 ) -> dict:
-    """Time forward+backward of our SchNet and PyG's on the same molecules (512; ``quick``
-    128), same weights and the same interaction graphs, in interleaved rounds (5; ``quick``
-    3) after a warm-up round. ``filter=table`` rows tabulate the filter on
-    ``filter_points`` grid points."""
-    molecules, repeats = (128, 3) if quick else (512, 5)
+    """Forward+backward of our SchNet and PyG's on the same ``molecules``, weights and
+    interaction graphs, ``repeats`` interleaved rounds after a warm-up round; ``filter=table``
+    rows tabulate the filter on ``filter_points`` grid points."""
     qm9 = MoleculeStore(store)
     index = np.sort(np.random.default_rng(seed).choice(len(qm9), molecules, replace=False))
     knn = one_batch(qm9, index, "lpfhp", {"max_nodes": max_nodes, "max_graphs": max_graphs})
     radius = one_batch(qm9, index, "tuple", {"target_efficiency": 0.97})
-    hyper = dict(hidden_channels=100, num_filters=100, num_interactions=4, num_gaussians=25)
+    hyper = dict(hidden_channels=100, num_filters=100, num_interactions=4, num_gaussians=25,
+                 cutoff=SIZE.cutoff, k=SIZE.k, max_nodes_per_pack=max_nodes)  # fmt: skip
     torch.manual_seed(seed)
-    reference = SchNet(**hyper, cutoff=SIZE.cutoff, graph="knn", k=SIZE.k,
-                       max_nodes_per_pack=max_nodes)  # fmt: skip
+    reference = SchNet(**hyper, graph="knn")
     steps, edges = {}, {}
     for graph, (batch, _, _) in (("knn", knn), ("radius", radius)):
         for symmetric, filter_ in SETTINGS[graph]:
-            ours = SchNet(**hyper, cutoff=SIZE.cutoff, graph=graph, k=SIZE.k,
-                          pair_symmetric=symmetric, max_nodes_per_pack=max_nodes,
-                          filter=filter_, filter_points=filter_points)  # fmt: skip
+            ours = SchNet(**hyper, graph=graph, pair_symmetric=symmetric, filter=filter_,
+                          filter_points=filter_points)  # fmt: skip
             ours.load_state_dict(reference.state_dict())
             name = f"ours {graph}" + ("" if graph == "knn" else f" pair_symmetric={symmetric}")
             name += "" if filter_ == "exact" else " filter=table"
@@ -120,13 +114,11 @@ def run(
     (knn_batch, _, _), (_, radius_packs, radius_plan) = knn, radius
     notes = [
         f"{molecules} QM9 molecules ({int(qm9.num_atoms[index].sum())} atoms), "
-        f"{torch.get_num_threads()} threads, forward+backward, median of {repeats} rounds.",
-        f"knn k=24: {knn_batch.num_nodes // max_nodes} packs of {max_nodes} atoms, "
-        f"{edges['knn']['ours']} edge slots (ours), {edges['knn']['real']} real edges (PyG).",
-        f"radius 6 A: {len(radius_packs)} packs of {radius_plan.max_nodes} atoms and "
-        f"{radius_plan.max_edges} edges, {edges['radius']['ours']} edge slots (ours), "
-        f"{edges['radius']['real']} real edges (PyG).",
-        PYG_NOTE,
+        f"{torch.get_num_threads()} threads, median of {repeats} rounds; PyG gets our graph's "
+        "real edges (precomputed) and their lengths from pos (timed); our knn search is timed.",
+        f"knn k=24: {knn_batch.num_nodes // max_nodes} packs of {max_nodes} atoms; radius 6 A: "
+        f"{len(radius_packs)} packs of {radius_plan.max_nodes} atoms / {radius_plan.max_edges} "
+        f"edges; edge slots (ours) / real edges (PyG): {edges}.",
     ]
     return new_report("model", rows, speedup["speedup_vs_pyg"], notes)
 

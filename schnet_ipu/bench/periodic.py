@@ -1,19 +1,10 @@
 """Periodic systems: neighbour-list builders side by side, and periodic against molecular steps.
 
-    python -m schnet_ipu.bench periodic [--quick]
-
-1. Neighbour lists. ``frames`` (100,000; quick 5,000) frames of 32 atoms (2x2x2
-   conventional fcc cells of Cu, a = 3.6 A, each under a random symmetric strain of up to 3%
-   and rattled by 0.05 A) are written to a store, and the periodic pairs file at 5 A is built
-   from it (:func:`~schnet_ipu.data.periodic_pairs.build_periodic_pairs`: vesin, canonical
-   half list, int8 shifts). The first ``compare`` (300; quick 100) frames are then listed frame by
-   frame by vesin, ``ase.neighborlist.neighbor_list`` and ``matscipy.neighbours.neighbour_list``
-   ("ijS", full lists), interleaved in rounds, and each is extrapolated to ``frames``.
-2. Step ratio. Batches of those frames (tuple packing) are trained on (energy + forces,
-   SchNet 64/64/3, one thread) as they are (periodic: shifts and cells) and with
-   ``edge_shift`` and ``cell`` removed (molecular: the same atoms, edges and shapes), in
-   interleaved rounds of ``steps`` (20; quick 10) steps: the median milliseconds per step
-   and their ratio.
+1. ``frames`` (100,000; quick 5,000) strained, rattled 32-atom fcc Cu cells are stored and
+   their periodic pairs file at 5 A built; the first ``compare`` frames are listed by vesin,
+   ASE and matscipy (if installed) in interleaved rounds, extrapolated to ``frames``.
+2. Energy + force training steps on batches of those frames with and without shifts and
+   cells (the same atoms, edges and shapes), interleaved: the median ms per step.
 """
 
 from __future__ import annotations
@@ -39,6 +30,7 @@ from schnet_ipu.task import EnergyForceTask, TargetTransform
 
 CUTOFF = 5.0
 LATTICE = 3.6
+QUICK = {"frames": 5000, "compare": 100, "steps": 10}
 
 
 def fcc_frames(count: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -125,23 +117,14 @@ PLOT = ("name", "ratio_to_vesin", "seconds per full neighbour list / vesin's")
 
 def copper_store(path: Path, pos: np.ndarray, cells: np.ndarray, forces: bool = False):
     """The frames as a store (energies and, with ``forces``, forces zero)."""
-    count = len(pos)
     zeros = {"forces": np.zeros_like(pos)} if forces else {}
-    energy = {"energy": np.zeros(count)}
-    pbc = np.ones((count, 3), bool)
-    path = write_store(path, np.full(pos.shape[:2], 29), pos, energy, {"energy": "eV"},
-                       cell=cells, pbc=pbc, **zeros)  # fmt: skip
+    path = write_store(path, np.full(pos.shape[:2], 29), pos, {"energy": np.zeros(len(pos))},
+                       {"energy": "eV"}, cell=cells, pbc=np.ones((len(pos), 3), bool),
+                       **zeros)  # fmt: skip
     return MoleculeStore(path)
 
 
-def run(quick: bool, store: str | Path) -> dict:
-    """The suite; ``store`` is the QM9 store of the other suites, unused here."""
-    return run_periodic(5000, 100, 10) if quick else run_periodic()
-
-
-def run_periodic(
-    frames: int = 100_000, compare: int = 300, steps: int = 20, trained: int = 2000
-) -> dict:
+def run(frames: int = 100_000, compare: int = 300, steps: int = 20, trained: int = 2000) -> dict:
     """See the module docstring; ``trained``: the frames batched for the step ratio."""
     pos, cells = fcc_frames(frames)
     facts: dict = {"frames": frames, "atoms_per_frame": 32, "cutoff": CUTOFF}
@@ -165,11 +148,9 @@ def run_periodic(
     ]
     rows += [{"name": f"{name} step", "step_ms": ms} for name, ms in step_ms.items()]
     ratios = {"periodic_over_molecular": facts["periodic_over_molecular"]}
-    notes = [
-        f"{frames} frames of 32 strained, rattled fcc Cu atoms, cutoff {CUTOFF} A; full lists "
-        f"of the first {compare} frames per library, 3 interleaved rounds; training steps "
-        f"(energy + forces, SchNet 64/64/3, one thread): {steps} per round, 5 rounds.",
-    ]
+    notes = [f"{frames} frames of 32 fcc Cu atoms, cutoff {CUTOFF} A; full lists of the first "
+             f"{compare} frames, 3 rounds; energy + force steps (SchNet 64/64/3, one thread): "
+             f"{steps} per round, 5 rounds."]  # fmt: skip
     report = new_report("periodic", rows, ratios, notes)
     report.update(facts)  # the keys of docs/benchmarks/periodic-cpu.json
     return report

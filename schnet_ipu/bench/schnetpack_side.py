@@ -1,37 +1,15 @@
 """schnetpack 2.1.1's SchNet trained on energies and forces for M minutes: the peer of
-``python -m schnet_ipu.bench forces``.
+``python -m schnet_ipu.bench forces``; only this module imports schnetpack, in a child.
 
-schnetpack is a bench-only optional extra (``pip install -e .[bench]``; see pyproject.toml for
-why its own pins are bypassed). Nothing outside this module imports it, and this module imports
-it only inside :func:`train_schnetpack`, which runs in a child process of the suite.
-
-The recipe is schnetpack's stock MD17-style force recipe, read from schnetpack v2.1.1:
-
-* data: ``schnetpack.data.ASEAtomsData`` (an ASE db written here from the suite's store, same
-  frames, same split through ``split.npz``) in ``schnetpack.data.AtomsDataModule``, batch 10,
-  with the transforms of ``src/schnetpack/configs/experiment/md17.yaml``: SubtractCenterOfMass,
-  RemoveOffsets(energy, remove_mean), MatScipyNeighborList(cutoff), CastTo32. The energies'
-  atom references are the same per-element least-squares fit our trainer subtracts
-  (``remove_atomrefs``, as schnetpack's QM9 recipe does): MD17 is one molecule, where the mean
-  alone suffices, but these sets mix compositions;
-* model: ``NeuralNetworkPotential`` of PairwiseDistances, ``representation.SchNet`` (our
-  config's features, filters, interactions; ``nn.GaussianRBF`` of our Gaussians; CosineCutoff
-  at our cutoff), ``atomistic.Atomwise`` (sum) and ``atomistic.Forces``
-  (``examples/tutorials/tutorial_03_force_models.ipynb``);
-* task: ``AtomisticTask`` with MSE ``ModelOutput`` s weighted 0.01 (energy) and 0.99 (forces),
-  AdamW at 5e-4, and the plateau schedule of
-  ``src/schnetpack/configs/task/scheduler/reduce_on_plateau.yaml`` (factor 0.5, patience 75,
-  cooldown 10, threshold 0, monitor val_loss) as torch's own ``ReduceLROnPlateau``
-  (schnetpack's wrapper passes ``verbose``, which torch 2.13 no longer takes); no EMA;
-* loop: ``pytorch_lightning.Trainer`` as ``src/schnetpack/configs/trainer/default_trainer.yaml``
-  sets it (validation every epoch, no sanity steps, ``inference_mode=False``) with
-  ``max_time`` = M minutes (Lightning's timer counts from the start of training, so data
-  setup is outside, validation inside, as our ``optim.max_minutes`` counts), one torch thread
-  and no loader workers (the same one core our side gets); the best-validation weights (as
-  ``callbacks/checkpoint.yaml`` keeps) are tested.
-
-Errors are computed here the way our trainer computes its own (:mod:`schnet_ipu.task`):
-energy MAE per structure (eV) and per atom, force MAE per component (eV/A).
+Its stock MD17-style recipe, read from schnetpack v2.1.1: ``ASEAtomsData`` (our frames and
+split) in ``AtomsDataModule``, batch 10, the transforms of ``configs/experiment/md17.yaml``
+(atom references: our per-element fit, as its QM9 recipe does); ``NeuralNetworkPotential``
+of our size with ``Atomwise`` and ``Forces``
+(``examples/tutorials/tutorial_03_force_models.ipynb``); ``AtomisticTask``, MSE weighted
+0.01/0.99, AdamW 5e-4, ``configs/task/scheduler/reduce_on_plateau.yaml`` as torch's own
+``ReduceLROnPlateau``; Lightning's ``Trainer`` as ``configs/trainer/default_trainer.yaml``
+with ``max_time`` M minutes, one thread, best-validation weights tested. Errors as our
+trainer computes them.
 """
 
 from __future__ import annotations
@@ -48,15 +26,9 @@ SCHNETPACK_VERSION = "2.1.1"
 BATCH_SIZE = 10
 LEARNING_RATE = 5e-4
 LOSS_WEIGHTS = {"energy": 0.01, "forces": 0.99}
-PLATEAU = {  # configs/task/scheduler/reduce_on_plateau.yaml, less schnetpack's smoothing_factor
-    "mode": "min",
-    "factor": 0.5,
-    "patience": 75,
-    "threshold": 0.0,
-    "threshold_mode": "rel",
-    "cooldown": 10,
-    "min_lr": 0.0,
-}
+# configs/task/scheduler/reduce_on_plateau.yaml, less schnetpack's smoothing_factor
+PLATEAU = {"mode": "min", "factor": 0.5, "patience": 75, "threshold": 0.0,
+           "threshold_mode": "rel", "cooldown": 10, "min_lr": 0.0}  # fmt: skip
 ZMAX = 100  # length of schnetpack's atom-reference table (RemoveOffsets' zmax)
 
 
@@ -120,14 +92,10 @@ def build_task(spk, model_cfg):
         ],
     )
     outputs = [
-        spk.task.ModelOutput(
-            name=name,
-            loss_fn=torch.nn.MSELoss(),
-            loss_weight=weight,
-            metrics={"MAE": torchmetrics.MeanAbsoluteError()},
-        )
+        spk.task.ModelOutput(name=name, loss_fn=torch.nn.MSELoss(), loss_weight=weight,
+                             metrics={"MAE": torchmetrics.MeanAbsoluteError()})
         for name, weight in LOSS_WEIGHTS.items()
-    ]
+    ]  # fmt: skip
     return spk.task.AtomisticTask(
         model=model,
         outputs=outputs,
@@ -185,31 +153,18 @@ def train_schnetpack(model_cfg, database: Path, split_file: Path, minutes: float
         spk.transform.MatScipyNeighborList(cutoff=model_cfg.cutoff),
         spk.transform.CastTo32(),
     ]
-    data = spk.data.AtomsDataModule(
-        str(database),
-        batch_size=BATCH_SIZE,
-        split_file=str(split_file),
-        transforms=transforms,
-        num_workers=0,
-        pin_memory=False,
-    )
+    data = spk.data.AtomsDataModule(str(database), batch_size=BATCH_SIZE,
+                                    split_file=str(split_file), transforms=transforms,
+                                    num_workers=0, pin_memory=False)  # fmt: skip
     data.prepare_data()
     data.setup()
     task = build_task(spk, model_cfg)
     recorder = make_recorder()
-    trainer = pl.Trainer(
-        max_time={"seconds": 60.0 * minutes},
-        max_epochs=100000,
-        accelerator="cpu",
-        devices=1,
-        num_sanity_val_steps=0,
-        inference_mode=False,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[recorder],
-    )
+    trainer = pl.Trainer(max_time={"seconds": 60.0 * minutes}, max_epochs=100000,
+                         accelerator="cpu", devices=1, num_sanity_val_steps=0,
+                         inference_mode=False, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[recorder])  # fmt: skip
     trainer.fit(task, datamodule=data)
     # Lightning stops at max_time mid-epoch without validating: the final weights are
     # validated here (outside the budget) and kept if they are the best

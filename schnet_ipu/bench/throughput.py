@@ -1,10 +1,5 @@
-"""Training molecules/s on QM9: ours packed and pad-to-max against stock PyG SchNet.
-
-All variants train the same SchNet size with Adam and the standardised loss on the same
-fixed sample of QM9 training molecules, about ``batch_molecules`` molecules per optimiser
-step; ours run the real pipeline (PackedLoader batches into ``TorchBackend.train_call``),
-PyG runs ``torch_geometric.nn.models.SchNet`` on a ``torch_geometric.loader.DataLoader``.
-"""
+"""Training molecules/s on QM9: ours (the real pipeline, packed and pad-to-max) against stock
+PyG SchNet, the same model size, loss and molecules, about ``batch_molecules`` per step."""
 
 from __future__ import annotations
 
@@ -36,35 +31,24 @@ COLUMNS = ["name", "molecules_per_s", "step_ms", "molecules_per_step", "replicas
            "threads_per_replica", "atoms_per_step",
            "node_efficiency", "edge_efficiency", "graph"]  # fmt: skip
 PLOT = ("name", "molecules_per_s", "training molecules/s")
+QUICK = {"sample": 3000, "timing": Timing(warmup=2, steps=4, repeats=9), "padded": ("radius",)}
 
 
 def ours(
-    store: str | Path,
-    sample: int,
-    size: ModelConfig,
-    overrides: list[str],
-    batch_molecules: int = 32,
-    replicas: int = 1,
-) -> tuple[dict, PreparedData, Callable[[], int]]:
+    store: str | Path, sample: int, size: ModelConfig, overrides: list[str],
+    batch_molecules: int = 32, replicas: int = 1,
+) -> tuple[dict, PreparedData, Callable[[], int]]:  # fmt: skip
     """One of our configurations (:func:`~schnet_ipu.bench.common.our_trainer`): its
-    description, its data and its training step (the loader's next batches through
-    ``TorchBackend.train_call``)."""
+    description, its data and its training step."""
     cfg, data, loader, backend = our_trainer(
         store, sample, size, overrides, batch_molecules, replicas
     )
-    plan = data.train_plan
-    row = {
-        "replicas": replicas,
-        "threads_per_replica": torch.get_num_threads(),
-        "atoms_per_step": replicas * cfg.packing.packs_per_batch * plan.max_nodes,
-        "packs_per_batch": cfg.packing.packs_per_batch,
-        "max_nodes": plan.max_nodes,
-        "max_edges": plan.max_edges,
-        "max_graphs": plan.max_graphs,
-        "node_efficiency": plan.node_efficiency,
-        "edge_efficiency": plan.edge_efficiency,
-        "workers": cfg.loader.workers,
-    }
+    plan, packs = data.train_plan, cfg.packing.packs_per_batch
+    row = {"replicas": replicas, "threads_per_replica": torch.get_num_threads(),
+           "atoms_per_step": replicas * packs * plan.max_nodes, "packs_per_batch": packs,
+           "max_nodes": plan.max_nodes, "max_edges": plan.max_edges,
+           "max_graphs": plan.max_graphs, "node_efficiency": plan.node_efficiency,
+           "edge_efficiency": plan.edge_efficiency, "workers": cfg.loader.workers}  # fmt: skip
     return row, data, training_step(loader, backend)
 
 
@@ -96,46 +80,26 @@ def variants(padded: tuple[str, ...], compile: bool, table: bool) -> list[tuple]
     return rows
 
 
-def run_throughput(
-    store: str | Path = QM9_STORE,
-    sample: int = 10000,
-    size: ModelConfig | None = None,
-    timing: Timing | None = None,
-    workers: int = 0,
-    batch_molecules: int = 32,
-    padded: tuple[str, ...] = ("radius", "knn"),
-    compile: bool = True,
-    replicas: int = 2,
+def run(
+    store: str | Path = QM9_STORE, sample: int = 10000, size: ModelConfig | None = None,
+    timing: Timing | None = None, workers: int = 0, batch_molecules: int = 32,
+    padded: tuple[str, ...] = ("radius", "knn"), compile: bool = True, replicas: int = 2,
     table: bool = True,
-) -> dict:
-    """Every variant side by side; ratios of the fastest packed one over PyG and padding.
-
-    ``padded``: the graphs run with pad-to-max batches; ``packed_vs_padded`` compares with
-    the fastest padded run of the fastest packed variant's graph (compiled or not), else the
-    fastest padded run. ``compile`` adds radius+tuple and its pad-to-max twin compiled with
-    ``torch.compile`` (compilation happens in the excluded warm-up; stock PyG stays eager).
-    ``replicas`` > 1 adds radius+tuple (compiled with ``compile``) as that many data-parallel
-    replica processes sharing the host's cores, with about ``batch_molecules`` molecules per
-    optimiser step over all of them. ``packed_vs_pyg`` uses the fastest packed variant;
-    ``single_process_vs_pyg`` the fastest one in one process, like stock PyG; and
-    ``packed_vs_padded`` compares single-process runs, so it measures the batching alone.
-    ``table`` adds the packed variants (and the compiled and replicated radius+tuple ones)
-    with ``model.filter=table`` (name suffix `` filter=table``).
-    """
+) -> dict:  # fmt: skip
+    """Every variant side by side. ``padded``: graphs also run pad-to-max; ``compile`` adds
+    radius+tuple and its pad-to-max twin through ``torch.compile`` (compiled in the warm-up;
+    PyG stays eager); ``replicas`` > 1 adds radius+tuple as that many data-parallel processes
+    sharing the cores and ``batch_molecules``; ``table`` adds ``model.filter=table`` twins.
+    Ratios: :func:`compare`."""
     size = size or ModelConfig()
     timing = timing or Timing(warmup=5, steps=10, repeats=10)
     results: dict[str, dict] = {}
     steps: dict[str, Callable[[], int]] = {}
 
     def overrides(graph: str, packing: str, compiled: bool, filter_: str) -> list[str]:
-        return [
-            f"model.graph={graph}",
-            f"packing.algorithm={packing}",
-            "model.pair_symmetric=true",
-            f"loader.workers={workers}",
-            f"backend.compile={compiled}",
-            f"model.filter={filter_}",
-        ]
+        return [f"model.graph={graph}", f"packing.algorithm={packing}",
+                "model.pair_symmetric=true", f"loader.workers={workers}",
+                f"backend.compile={compiled}", f"model.filter={filter_}"]  # fmt: skip
 
     data = None
     for name, graph, packing, compiled, filter_ in variants(padded, compile, table):
@@ -163,36 +127,21 @@ def run_throughput(
         if group is not None:
             group.close()
     for name, rate in measured.items():
-        results[name].update(
-            molecules_per_s=rate.molecules_per_s,
-            step_ms=1000 * rate.step_seconds,
-            molecules_per_step=rate.molecules_per_step,
-            repeats_molecules_per_s=rate.repeats,
-        )
+        results[name].update(molecules_per_s=rate.molecules_per_s,
+                             step_ms=1000 * rate.step_seconds,
+                             molecules_per_step=rate.molecules_per_step,
+                             repeats_molecules_per_s=rate.repeats)  # fmt: skip
     ratios = compare(results)
     notes = [
-        f"{len(data.split['train'])} QM9 training molecules (fixed random sample), about "
-        f"{batch_molecules} molecules per optimiser step, Adam lr 1e-3, standardised MSE. "
-        "Ours uses the trainer's optimiser (torch's fused Adam kernel); stock PyG the "
-        "default torch.optim.Adam, as a PyG user gets out of the box.",
-        f"SchNet {size.hidden_channels} features, {size.num_interactions} interactions, "
-        f"{size.num_gaussians} Gaussians, cutoff {size.cutoff}; knn k={size.k}.",
-        f"Timing: {timing.warmup} warm-up steps excluded, then {timing.repeats} rounds in "
-        f"which each variant runs a window of {timing.steps} steps in turn (so load changes "
-        "hit all alike); medians over the rounds; loading is inside the timed windows. "
-        "*_per_round: the ratio within each round, to show the spread.",
-        f"Stock PyG radius graph: {pyg.RADIUS_BUILDER}; torch-cluster is not installed.",
-        "Replicated variant: R processes with 1/R of the torch threads each, each "
-        f"training about {batch_molecules}/R molecules per step; the merged gradient is "
-        "summed through shared memory (same-host CPU replicas), so "
-        "an optimiser step sees about as many molecules as every other variant. The other "
-        "variants and stock PyG run in one process with all torch threads. Packs hold whole "
-        "molecules, so ours trains 33-35 molecules per step where PyG trains 32 "
-        "(molecules_per_step).",
-        "Ours: PackedLoader (batches gathered a chunk at a time from the store's flat arrays "
-        f"and its pairs file; {workers} background thread(s)) feeding TorchBackend.train_call. "
-        "Both hold the training molecules in memory before timing: PyG as its list of Data "
-        "objects, ours as the feed arrays (see the loader suite).",
+        f"{len(data.split['train'])} QM9 training molecules (fixed sample), about "
+        f"{batch_molecules} per optimiser step (packs hold whole molecules: ours 33-35), Adam "
+        "1e-3 (ours fused, PyG torch's default), standardised MSE; both hold the molecules in "
+        f"memory. SchNet {size.hidden_channels}/{size.num_interactions}/{size.num_gaussians}, "
+        f"cutoff {size.cutoff}, knn k={size.k}; ours {workers} loader thread(s).",
+        f"Timing: {timing.warmup} warm-up steps, then {timing.repeats} rounds of "
+        f"{timing.steps} steps of each variant in turn; medians (*_per_round: each round's).",
+        f"Stock PyG radius graph: {pyg.RADIUS_BUILDER}. Replicas: R processes with 1/R of "
+        "the threads, gradients summed through shared memory.",
     ]
     return new_report("throughput", list(results.values()), ratios, notes)
 
@@ -234,10 +183,3 @@ def compare(results: dict[str, dict]) -> dict:
         if twin in rate:
             ratios[f"{key}_vs_{twin.replace(' ', '_')}"] = ratio(rate[name], rate[twin])
     return ratios
-
-
-def run(quick: bool, store: str | Path) -> dict:
-    if quick:
-        timing = Timing(warmup=2, steps=4, repeats=9)
-        return run_throughput(store, sample=3000, timing=timing, padded=("radius",))
-    return run_throughput(store)
