@@ -90,7 +90,7 @@ class PreparedData:
         return float(self.store.num_atoms[self.split["train"]].mean())
 
     def feed_arrays(self, device: str) -> FeedArrays:
-        """The store's flat arrays for the loaders, once per device (see schnet_ipu.feed)."""
+        """The store's flat arrays for the loaders, once per device (see schnet_ipu.feed_arrays)."""
         if device not in self.feeds:
             cpu = self.feeds.get("cpu") or self._cpu_feed()
             self.feeds[device] = cpu.to(device)
