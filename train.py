@@ -52,8 +52,23 @@ def train_command(argv: list[str]) -> int:
         from schnet_ipu.training import train  # heavy imports only once the config is valid
 
         final = train(cfg, fresh=args.fresh)
-    print(json.dumps(final, indent=2))
+    print(final_line(final, Path(cfg.logging.run_dir)))
     return 0
+
+
+def final_line(final: dict, run_dir: Path) -> str:
+    """One line for a finished run: its test errors beside the trivial baselines (the whole
+    final record stays in the run folder's metrics.jsonl)."""
+    unit = final["unit"]
+    parts = [f"test MAE {final['test_mae']:.4g} {unit} over {final['test_molecules']} structures"]
+    parts[0] += f" (dressed-atom baseline {final['baseline_test_mae']:.4g} {unit})"
+    for label, key, per in (("force", "force_mae", "/Angstrom"), ("stress", "stress_mae", "/A^3")):
+        if f"test_{key}" in final:  # absent when no test frame carries the label
+            parts.append(f"{label} MAE {final[f'test_{key}']:.4g} {unit}{per}")
+            if f"baseline_{key}" in final:
+                parts[-1] += f" (baseline {final[f'baseline_{key}']:.4g})"
+    seconds = final["wall_seconds"]
+    return f"{'; '.join(parts)}; {seconds:.0f} s; records in {run_dir / 'metrics.jsonl'}"
 
 
 def run_command(command: str, argv: list[str]) -> int:

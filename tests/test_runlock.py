@@ -3,7 +3,6 @@ the holder; a lock whose holder was SIGKILLed is taken over with a warning."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -13,7 +12,15 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import TRAIN_PY, load_script, random_store, repo_env, run_train, smoke_overrides
+from helpers import (
+    TRAIN_PY,
+    load_script,
+    random_store,
+    repo_env,
+    run_train,
+    smoke_overrides,
+    whole_records,
+)
 
 from schnet_ipu.errors import run_cli
 from schnet_ipu.runlock import RunLockError, hold_run_lock, lock_path, read_holder
@@ -81,7 +88,13 @@ def test_a_second_run_on_a_held_folder_is_refused(store, tmp_path):
     print(f"second run refused {refused_after:.2f} s after it started (process start to exit)")
     assert epochs_once(run_dir) == list(range(EPOCHS))
     assert not lock.exists()  # released and removed by the first run's clean exit
-    assert json.loads(out[out.index("{") :])["test_mae"] > 0
+    # the run ends on one human line; the whole final record stays in the run folder
+    final = whole_records(run_dir)[-1]
+    assert out.strip().splitlines() == [
+        f"test MAE {final['test_mae']:.4g} {final['unit']} over {final['test_molecules']} "
+        f"structures (dressed-atom baseline {final['baseline_test_mae']:.4g} {final['unit']}); "
+        f"{final['wall_seconds']:.0f} s; records in {run_dir / 'metrics.jsonl'}"
+    ]
 
 
 @pytest.mark.slow  # ~25 s: two trainings; test_stale_lock_taken_over_with_a_warning is quick
