@@ -31,6 +31,12 @@ from typing import Sequence, Union  # typing's forms: a runtime alias on Python 
 import numpy as np
 import torch
 
+try:
+    import vesin
+except ImportError:  # Python < 3.10 (pyproject.toml installs vesin from 3.10 on)
+    vesin = None
+
+from schnet_ipu.cell_list import neighbour_pairs
 from schnet_ipu.config import ConfigError
 from schnet_ipu.data.ase_files import check_frame, frame_cell, read_frames, write_extxyz
 from schnet_ipu.errors import CheckpointError
@@ -125,7 +131,7 @@ class Predictor:
                     results.append((float(energy), force.double().numpy(), None))
                     continue
                 if spec.cutoff not in edges:
-                    edges[spec.cutoff] = vesin_edges(pos, cell, pbc, spec.cutoff, periodic)
+                    edges[spec.cutoff] = neighbour_edges(pos, cell, pbc, spec.cutoff, periodic)
                 edge_index, offsets = edges[spec.cutoff]
                 energy, force, virial = module.forward_edges(
                     z_t, pos_t, edge_index, offsets, full_list=False
@@ -147,18 +153,27 @@ class Predictor:
         )
 
 
-def vesin_edges(
+def neighbour_edges(
     pos: np.ndarray, cell: np.ndarray | None, pbc: np.ndarray | None, cutoff: float, periodic: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """vesin's half list of one structure as (edge_index int64 [2, P], offsets float64
-    [P, 3] = S @ cell) for :meth:`PortableSchNet.forward_edges`; O(N) (vesin's cell list).
+    """The half list of one structure as (edge_index int64 [2, P], offsets float64 [P, 3] =
+    S @ cell) for :meth:`PortableSchNet.forward_edges`; O(N) (a cell list).
 
     vesin's pairs as they come (``pos[j] - pos[i] + S @ cell``, each pair once), without
     :func:`~schnet_ipu.data.periodic_pairs.frame_pairs`' canonical form, which the
-    symmetric evaluation does not need: 10,000 Cu atoms 26 against 40 ms."""
-    import vesin
-
+    symmetric evaluation does not need: 10,000 Cu atoms 26 against 40 ms. Without vesin
+    (its wheels need Python 3.10; the IPU SDK's is 3.8) the torch-ops cell list the
+    exported file uses (:func:`schnet_ipu.cell_list.neighbour_pairs`, ~10x slower)."""
     box = np.asarray(cell, np.float64) if periodic else np.zeros((3, 3))
+    if vesin is None:
+        i, j, shift = neighbour_pairs(
+            torch.as_tensor(np.asarray(pos, np.float64)),
+            torch.as_tensor(box) if periodic else None,
+            torch.as_tensor(np.asarray(pbc, bool)) if periodic else None,
+            float(cutoff),
+        )
+        offsets = shift.numpy() @ box
+        return torch.stack([i, j]), torch.from_numpy(offsets)
     flags = np.asarray(pbc, bool).tolist() if periodic else [False, False, False]
     search = vesin.NeighborList(cutoff=float(cutoff), full_list=False, n_threads=1)
     i, j, shift = search.compute(np.asarray(pos, np.float64), box, flags, quantities="ijS")

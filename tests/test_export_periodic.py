@@ -18,6 +18,7 @@ from ase import Atoms
 from ase.build import bulk, fcc111
 from ase.neighborlist import neighbor_list
 
+from schnet_ipu import inference
 from schnet_ipu.batch_layout import Layout
 from schnet_ipu.calculator import SchNetCalculator
 from schnet_ipu.checkpoint import save_checkpoint
@@ -162,6 +163,25 @@ def test_export_equals_the_calculator_on_slabs_and_triclinic_cells(model_path, e
         assert abs(got[0] - energy) <= ENERGY, name
         np.testing.assert_allclose(got[1], forces, atol=FORCES, err_msg=name)
         np.testing.assert_allclose(got[2], stress, atol=STRESS, err_msg=name)
+
+
+@pytest.mark.parametrize("make", [copper_slab, sheared_bulk])
+def test_without_vesin_the_calculator_searches_with_the_torch_cell_list(
+    model_path, make, monkeypatch
+):
+    """Python < 3.10 has no vesin wheel (the IPU SDK's 3.8): the calculator then finds its
+    pairs with the exported file's torch-ops cell list, and predicts the same."""
+    atoms = make()
+    with_vesin = Predictor(model_path, dtype=torch.float64).predict(
+        atoms.numbers, atoms.positions, cell=atoms.cell.array, pbc=atoms.pbc
+    )
+    monkeypatch.setattr(inference, "vesin", None)
+    without = Predictor(model_path, dtype=torch.float64).predict(
+        atoms.numbers, atoms.positions, cell=atoms.cell.array, pbc=atoms.pbc
+    )
+    assert abs(without.energy - with_vesin.energy) <= 1e-9 * max(1.0, abs(with_vesin.energy))
+    np.testing.assert_allclose(without.forces, with_vesin.forces, atol=1e-10)
+    np.testing.assert_allclose(without.stress, with_vesin.stress, atol=1e-12)
 
 
 def test_a_supercell_has_the_same_energy_per_atom(exported):
