@@ -28,9 +28,8 @@ import numpy as np
 from ase import Atoms
 from ase.build import bulk, fcc100, fcc111
 from ase.calculators.emt import EMT
-from ase.calculators.singlepoint import SinglePointCalculator
 
-from schnet_ipu.data.ase_files import write_extxyz
+from schnet_ipu.data.ase_files import single_point, write_labelled_frames
 
 # EMT's fcc lattice constants in Angstrom (its equilibrium, close to experiment)
 LATTICE = {"Cu": 3.59, "Ni": 3.51, "Pd": 3.94, "Ag": 4.06, "Pt": 3.93, "Au": 4.07}
@@ -74,13 +73,7 @@ def make_frame(rng: np.random.Generator, kind: str, strain: float, rattle: float
 def labelled(atoms: Atoms, stress: bool = True) -> Atoms:
     """A copy of ``atoms`` carrying EMT's energy, forces and (periodic frames, unless not
     ``stress``) stress as a single-point result."""
-    atoms = atoms.copy()
-    atoms.calc = EMT()
-    results = {"energy": atoms.get_potential_energy(), "forces": atoms.get_forces()}
-    if stress and atoms.pbc.any():
-        results["stress"] = atoms.get_stress()
-    atoms.calc = SinglePointCalculator(atoms, **results)
-    return atoms
+    return single_point(atoms, EMT(), stress)
 
 
 def make_frames(
@@ -111,9 +104,7 @@ def main(argv: list[str]) -> int:
     frames = make_frames(
         args.frames, args.strain, args.rattle, args.seed, slab_stress=not args.no_slab_stress
     )
-    write_extxyz(frames, args.out)
-    atoms = sum(len(f) for f in frames)
-    logging.info("wrote %d frames (%d atoms) to %s", len(frames), atoms, args.out)
+    write_labelled_frames(frames, args.out)
     return 0
 
 

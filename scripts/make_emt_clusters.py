@@ -19,10 +19,8 @@ from pathlib import Path
 import numpy as np
 from ase import Atoms
 from ase.calculators.emt import EMT
-from ase.calculators.singlepoint import SinglePointCalculator
-from ase.optimize import BFGS
 
-from schnet_ipu.data.ase_files import write_extxyz
+from schnet_ipu.data.ase_files import rattled_around_minimum, write_labelled_frames
 
 ELEMENTS = ("Cu", "Pt", "Au")
 MIN_DISTANCE = 2.2  # Angstrom, closest start distance
@@ -43,15 +41,6 @@ def random_cluster(rng: np.random.Generator, size: int) -> Atoms:
     return Atoms(symbols=list(symbols), positions=positions)
 
 
-def labelled(atoms: Atoms) -> Atoms:
-    """A copy of ``atoms`` carrying EMT's energy and forces as a single-point result."""
-    atoms = atoms.copy()
-    atoms.calc = EMT()
-    energy, forces = atoms.get_potential_energy(), atoms.get_forces()
-    atoms.calc = SinglePointCalculator(atoms, energy=energy, forces=forces)
-    return atoms
-
-
 def make_frames(
     clusters: int, frames: int, rattle: float, seed: int, sizes: tuple[int, int] = (6, 20)
 ) -> list[Atoms]:
@@ -60,11 +49,7 @@ def make_frames(
     out = []
     for _ in range(clusters):
         base = random_cluster(rng, int(rng.integers(sizes[0], sizes[1] + 1)))
-        base.calc = EMT()
-        BFGS(base, logfile=None).run(fmax=0.2, steps=30)
-        for _ in range(frames):
-            frame = Atoms(base.numbers, base.positions + rng.normal(0, rattle, (len(base), 3)))
-            out.append(labelled(frame))
+        out += rattled_around_minimum(base, EMT, fmax=0.2, frames=frames, rattle=rattle, rng=rng)
     return out
 
 
@@ -78,9 +63,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     frames = make_frames(args.clusters, args.frames, args.rattle, args.seed)
-    write_extxyz(frames, args.out)
-    atoms = sum(len(f) for f in frames)
-    logging.info("wrote %d frames (%d atoms) to %s", len(frames), atoms, args.out)
+    write_labelled_frames(frames, args.out)
     return 0
 
 

@@ -29,11 +29,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # before tblite's OpenMP runtime 
 
 import numpy as np
 from ase import Atoms
-from ase.calculators.singlepoint import SinglePointCalculator
-from ase.optimize import BFGS
 from tqdm import tqdm
 
-from schnet_ipu.data.ase_files import write_extxyz
+from schnet_ipu.data.ase_files import rattled_around_minimum, write_labelled_frames
 from schnet_ipu.data.qm9 import QM9PACK_FILES, qm9pack_dir
 
 METHOD = "GFN2-xTB"
@@ -60,25 +58,14 @@ def calculator():
     return TBLite(method=METHOD, verbosity=0)
 
 
-def labelled(atoms: Atoms) -> Atoms:
-    """A copy of ``atoms`` carrying GFN2-xTB's energy and forces as a single-point result."""
-    atoms = atoms.copy()
-    atoms.calc = calculator()
-    energy, forces = atoms.get_potential_energy(), atoms.get_forces()
-    atoms.calc = SinglePointCalculator(atoms, energy=energy, forces=forces)
-    return atoms
-
-
 def make_frames(molecules: int, frames: int, rattle: float, seed: int) -> list[Atoms]:
     """``molecules`` x ``frames`` labelled frames (see the module docstring)."""
     rng = np.random.default_rng(seed)
     out = []
     for base in tqdm(qm9_molecules(molecules, rng), desc=f"{METHOD} labels", unit="mol"):
-        base.calc = calculator()
-        BFGS(base, logfile=None).run(fmax=0.1, steps=30)
-        for _ in range(frames):
-            frame = Atoms(base.numbers, base.positions + rng.normal(0, rattle, (len(base), 3)))
-            out.append(labelled(frame))
+        out += rattled_around_minimum(
+            base, calculator, fmax=0.1, frames=frames, rattle=rattle, rng=rng
+        )
     return out
 
 
@@ -92,9 +79,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     frames = make_frames(args.molecules, args.frames, args.rattle, args.seed)
-    write_extxyz(frames, args.out)
-    atoms = sum(len(f) for f in frames)
-    logging.info("wrote %d frames (%d atoms) to %s", len(frames), atoms, args.out)
+    write_labelled_frames(frames, args.out)
     return 0
 
 

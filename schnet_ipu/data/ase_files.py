@@ -27,7 +27,7 @@ the loss and the metrics count only those.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -322,3 +322,43 @@ def write_extxyz(frames: Sequence, out: Path) -> None:
     tmp = out.with_name(f".{out.name}.tmp")
     ase.io.write(tmp, list(frames), format="extxyz")
     tmp.replace(out)
+
+
+def single_point(atoms, calculator, stress: bool = False):
+    """A copy of ``atoms`` (ASE ``Atoms``) carrying ``calculator``'s energy and forces, and for
+    a periodic frame with ``stress`` its stress, as a single-point result: a labelled frame
+    the data scripts write to extxyz."""
+    from ase.calculators.singlepoint import SinglePointCalculator
+
+    atoms = atoms.copy()
+    atoms.calc = calculator
+    results = {"energy": atoms.get_potential_energy(), "forces": atoms.get_forces()}
+    if stress and atoms.pbc.any():
+        results["stress"] = atoms.get_stress()
+    atoms.calc = SinglePointCalculator(atoms, **results)
+    return atoms
+
+
+def rattled_around_minimum(
+    base, calculator: Callable, fmax: float, frames: int, rattle: float, rng: np.random.Generator
+) -> list:
+    """``frames`` labelled copies of ``base`` (ASE ``Atoms``) after a short BFGS relaxation
+    (at most 30 steps to ``fmax`` eV/A), each displaced by Gaussian noise of ``rattle`` A;
+    ``calculator()`` makes a fresh ASE calculator for every evaluation."""
+    from ase import Atoms
+    from ase.optimize import BFGS
+
+    base.calc = calculator()
+    BFGS(base, logfile=None).run(fmax=fmax, steps=30)
+    out = []
+    for _ in range(frames):
+        frame = Atoms(base.numbers, base.positions + rng.normal(0, rattle, (len(base), 3)))
+        out.append(single_point(frame, calculator()))
+    return out
+
+
+def write_labelled_frames(frames: Sequence, out: Path) -> None:
+    """:func:`write_extxyz`, then one log line saying what was written."""
+    write_extxyz(frames, out)
+    atoms = sum(len(frame) for frame in frames)
+    logging.getLogger(__name__).info("wrote %d frames (%d atoms) to %s", len(frames), atoms, out)
