@@ -118,7 +118,7 @@ def make_task(cfg: Config, data: PreparedData) -> EnergyTask | EnergyForceTask:
         for key in ("forces_weight", "stress_weight"):
             if getattr(cfg.optim, key) > 0:
                 raise ConfigError(f"optim.{key} > 0, but {data.store.path} holds no forces")
-        return EnergyTask(transform)
+        return EnergyTask(transform, cfg.optim.energy_loss)
     train = data.split["train"]
     forces_frames = train[data.store.forces_mask()[train]]
     _check_labelled(cfg.optim.forces_weight, "forces", forces_frames, data)
@@ -131,7 +131,12 @@ def make_task(cfg: Config, data: PreparedData) -> EnergyTask | EnergyForceTask:
         stress_scale = float(np.sqrt(np.mean(stress**2))) if len(stress) else 0.0
         stress_scale = stress_scale or 1.0  # no training frame with stress, or all zero
     return EnergyForceTask(
-        transform, scale, cfg.optim.forces_weight, stress_scale, cfg.optim.stress_weight
+        transform,
+        scale,
+        cfg.optim.forces_weight,
+        stress_scale,
+        cfg.optim.stress_weight,
+        cfg.optim.energy_loss,
     )
 
 

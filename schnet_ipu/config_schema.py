@@ -100,6 +100,7 @@ class OptimConfig:
     forces_weight: float = 0.0  # weight of the standardised force loss; 0 = energies only
     stress_weight: float = 0.0  # weight of the standardised stress loss (stores with stress)
     max_minutes: float = 0.0  # wall-clock budget of the training loop; 0 = off (epochs only)
+    energy_loss: str = "mse"  # mse | l1: the energy term of the loss (the metric is the MAE)
     ema_decay: float = 0.0  # average of the weights for validation, test and model files; 0 = off
     # divergence guard (schnet_ipu/guard.py): a read of the step losses (every logging.log_every
     # host calls) above spike_factor x the median of the last spike_window reads, or a
@@ -169,6 +170,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.ops": ("torch", "ipu", "triton"),
     "loader.device_resident": ("auto", "true", "false"),
     "model.message_passing": ("sparse", "dense"),
+    "optim.energy_loss": ("mse", "l1"),
     "model.filter": ("exact", "table"),
     "optim.schedule": ("plateau", "cosine", "constant"),
     "backend.device": ("auto", "cpu", "cuda", *IPU_DEVICES),

@@ -65,6 +65,16 @@ def masked_mse(pred: Tensor, y: Tensor, mask: Tensor, scale: float) -> Tensor:
     return err.square().sum() / mask.sum().clamp(min=1)
 
 
+def masked_l1(pred: Tensor, y: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """Mean over real molecules of ``|pred - y| / scale``; shapes and padding as
+    :func:`masked_mse`."""
+    err = torch.where(mask, (pred - y) / scale, 0.0)
+    return err.abs().sum() / mask.sum().clamp(min=1)
+
+
+ENERGY_LOSSES = {"mse": masked_mse, "l1": masked_l1}  # optim.energy_loss
+
+
 class Task(Protocol):
     """The objective of a run (see the module docstring)."""
 
@@ -86,16 +96,18 @@ class Task(Protocol):
 
 
 class EnergyTask:
-    """Energies only: loss = mean over real molecules of ((E - E_ref) / scale)^2."""
+    """Energies only: loss = mean over real molecules of ((E - E_ref) / scale)^2, or of
+    |E - E_ref| / scale with ``energy_loss="l1"`` (the metric is the MAE)."""
 
     with_forces = False
     with_stress = False
 
-    def __init__(self, transform: TargetTransform) -> None:
+    def __init__(self, transform: TargetTransform, energy_loss: str = "mse") -> None:
         self.transform = transform
+        self.energy_loss = ENERGY_LOSSES[energy_loss]
 
     def loss(self, model: nn.Module, batch: Batch) -> Tensor:
-        return masked_mse(model(batch), batch.y, batch.graph_mask, self.transform.scale)
+        return self.energy_loss(model(batch), batch.y, batch.graph_mask, self.transform.scale)
 
     def training_metrics(self) -> dict[str, float]:
         return {}
@@ -122,6 +134,7 @@ class EnergyForceTask:
     s_S^2)``, ``s_S`` the RMS stress component of the training frames that carry stress;
     stress is ``dE/deps / V`` by the strain route (:mod:`schnet_ipu.response`), ASE's
     convention. A batch with no labelled atom (slot) adds 0 for that term.
+    ``energy_loss="l1"`` makes the energy term ``mean |E - E_ref| / s_E``.
     """
 
     with_forces = True
@@ -133,8 +146,10 @@ class EnergyForceTask:
         weight: float,
         stress_scale: float | None = None,
         stress_weight: float = 0.0,
+        energy_loss: str = "mse",
     ) -> None:
         self.transform = transform
+        self.energy_loss = ENERGY_LOSSES[energy_loss]
         self.force_scale = force_scale
         self.weight = weight
         self.stress_scale = stress_scale  # None: the store has no stress
@@ -147,14 +162,14 @@ class EnergyForceTask:
 
     def loss(self, model: nn.Module, batch: Batch) -> Tensor:
         if self.weight == 0 and self.stress_weight == 0:  # energies only; the rest is scored
-            return masked_mse(model(batch), batch.y, batch.graph_mask, self.transform.scale)
+            return self.energy_loss(model(batch), batch.y, batch.graph_mask, self.transform.scale)
         if batch.forces is None:
             raise ValueError(
                 "optim.forces_weight > 0 needs batches with forces (a store with forces)"
             )
         response = energy_response(model, batch, self.stress_weight > 0, create_graph=True)
         energy, forces = response.energy, response.forces
-        energy_loss = masked_mse(energy, batch.y, batch.graph_mask, self.transform.scale)
+        energy_loss = self.energy_loss(energy, batch.y, batch.graph_mask, self.transform.scale)
         labelled = labelled_atoms(batch)
         error = torch.where(labelled.unsqueeze(1), forces - batch.forces, 0.0)  # [N, 3]
         components = 3 * labelled.sum()

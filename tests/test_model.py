@@ -28,7 +28,7 @@ from schnet_ipu.model.ops.torch_ops import (
     scatter_sum,
     shifted_softplus,
 )
-from schnet_ipu.task import masked_mse
+from schnet_ipu.task import ENERGY_LOSSES, masked_mse
 
 CUTOFF = 6.0
 
@@ -421,13 +421,18 @@ def test_knn_graph_is_true_nearest_within_molecule(k, nodes):
         )
 
 
-def test_masked_mse():
+@pytest.mark.parametrize("kind, expected", [("mse", (0.5**2 + 1.5**2) / 2), ("l1", (0.5 + 1.5) / 2)])
+def test_energy_losses_skip_padding(kind, expected):
+    loss_fn = ENERGY_LOSSES[kind]
     pred = torch.tensor([1.0, 2.0, 3.0, 4.0])
-    y = torch.tensor([0.0, 2.0, float("nan"), float("inf")])
+    y = torch.tensor([0.0, 5.0, float("nan"), float("inf")])
     mask = torch.tensor([True, True, False, False])
-    assert masked_mse(pred, y, mask, 2.0).item() == pytest.approx(((1 / 2) ** 2 + 0) / 2)
+    assert loss_fn(pred, y, mask, 2.0).item() == pytest.approx(expected)
     pred.requires_grad_(True)
-    loss = masked_mse(pred, y, torch.zeros(4, dtype=torch.bool), 2.0)
+    loss_fn(pred, y, mask, 2.0).backward()
+    assert torch.isfinite(pred.grad).all() and torch.equal(pred.grad[2:], torch.zeros(2))
+    pred.grad = None
+    loss = loss_fn(pred, y, torch.zeros(4, dtype=torch.bool), 2.0)
     loss.backward()
     assert loss.item() == 0.0 and torch.equal(pred.grad, torch.zeros(4))
 
