@@ -421,7 +421,9 @@ def test_knn_graph_is_true_nearest_within_molecule(k, nodes):
         )
 
 
-@pytest.mark.parametrize("kind, expected", [("mse", (0.5**2 + 1.5**2) / 2), ("l1", (0.5 + 1.5) / 2)])
+@pytest.mark.parametrize(
+    "kind, expected", [("mse", (0.5**2 + 1.5**2) / 2), ("l1", (0.5 + 1.5) / 2)]
+)
 def test_energy_losses_skip_padding(kind, expected):
     loss_fn = ENERGY_LOSSES[kind]
     pred = torch.tensor([1.0, 2.0, 3.0, 4.0])
