@@ -28,6 +28,7 @@ from schnet_ipu.backends import (
 )
 from schnet_ipu.backends.distributed import (
     prepare_once,
+    replicas_in_call,
     shared_memory_reduction,
     shutdown_replica,
 )
@@ -180,8 +181,13 @@ def test_one_replica_runs_in_process() -> None:
 
 
 def test_alone_with_replicas_configured_is_an_error() -> None:
-    with pytest.raises(RuntimeError, match="launch_replicas"):
+    with pytest.raises(ConfigError, match="launch_replicas"):
         init_replica(BackendConfig(replicas=2), "cpu")
+
+
+def test_replicas_not_a_multiple_of_poprun_instances_is_one_line() -> None:
+    with pytest.raises(ConfigError, match="multiple of the 3 PopRun instances"):
+        replicas_in_call(BackendConfig(replicas=4), "ipu", ReplicaInfo(0, 3))
 
 
 def test_poptorch_devices_replicate_in_one_process() -> None:

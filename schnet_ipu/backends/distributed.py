@@ -100,13 +100,17 @@ def processes_for(backend_cfg: BackendConfig, device: str) -> int:
     return backend_cfg.replicas
 
 
+class ReplicaWaitError(UserError, TimeoutError):
+    """A replica waited too long for rank 0's data (one line, exit 2)."""
+
+
 def replicas_in_call(backend_cfg: BackendConfig, device: str, replica: ReplicaInfo) -> int:
     """Replicas one process feeds per host call: 1 for torch devices, this instance's
     replicas (R / instances; R without PopRun) for PopTorch and its emulator."""
     if not one_process_drives_replicas(backend_cfg, device):
         return 1
     if backend_cfg.replicas % replica.world_size:
-        raise ValueError(
+        raise ConfigError(
             f"backend.replicas={backend_cfg.replicas} must be a multiple of the "
             f"{replica.world_size} PopRun instances"
         )
@@ -131,7 +135,7 @@ def init_replica(backend_cfg: BackendConfig, device: str, timeout_s: float = 600
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size == 1:
         if backend_cfg.replicas > 1:
-            raise RuntimeError(
+            raise ConfigError(
                 f"backend.replicas={backend_cfg.replicas} but this process is alone; start it "
                 "through launch_replicas (train.py does) or torchrun --nproc-per-node"
             )
@@ -143,7 +147,7 @@ def init_replica(backend_cfg: BackendConfig, device: str, timeout_s: float = 600
     )
     if device.startswith("cuda"):  # one GPU per replica of this host: cuda:LOCAL_RANK
         if replica.local_rank >= torch.cuda.device_count():
-            raise RuntimeError(
+            raise ConfigError(
                 f"replica {replica.rank} has LOCAL_RANK {replica.local_rank}, but this host has "
                 f"{torch.cuda.device_count()} CUDA device(s); start at most one replica per GPU"
             )
@@ -199,7 +203,8 @@ def prepare_once(
     The others wait for a marker file that rank 0 writes in ``marker_dir`` (a folder every
     process sees, the data folder) when it is done; its name carries a token rank 0
     broadcasts, so a marker left by an earlier run is never taken for this one. Raises
-    TimeoutError after ``timeout_s`` seconds without the marker. One process: just prepare.
+    :class:`ReplicaWaitError` after ``timeout_s`` seconds without the marker. One process:
+    just prepare.
     """
     if replica.world_size == 1:
         return prepare()
@@ -214,7 +219,7 @@ def prepare_once(
         deadline = time.monotonic() + timeout_s
         while not marker.exists():
             if time.monotonic() > deadline:
-                raise TimeoutError(
+                raise ReplicaWaitError(
                     f"rank {replica.rank}: rank 0 did not finish preparing the data within "
                     f"{timeout_s:.0f} s (no {marker}); check rank 0's log, and that "
                     f"{marker_dir} is on a file system every instance shares"
