@@ -14,7 +14,13 @@ per block two matrix products, a sigmoid and the fused table loop's backward
 (:func:`~schnet_ipu.model.ops.fused_table_loops.backward_loop`, called on numpy views,
 which returns dE/dt per pair); the per-pair gradients of all blocks are summed and turned
 into forces and the strain derivative in one compiled pass over the pairs
-(:mod:`~schnet_ipu.model.ops.pair_loops`), with the geometry in float64.
+(:mod:`~schnet_ipu.model.ops.pair_loops`), with the geometry in float64. The first
+block's backward computes dE/dt alone (its input, the embedding, needs no gradient).
+
+FlashSchNet (UNITES-Lab/flash-molecular-dynamics, src/flashmd/kernels/cfconv_kernels.py)
+fuses the same gather-multiply-scatter of the convolution and its backward into single GPU
+kernels; its half-precision filters were not taken (they change results), nor its
+source-sorted backward, which avoids atomic adds that a one-thread CPU loop never needs.
 
 The model, per block (``ssp(y) = softplus(y) - log 2``, pairs with table position t):
 
@@ -25,9 +31,10 @@ and its backward (``sigmoid = ssp'``), from ``g_h = (sigmoid(q) * std R2) R1``:
 
     g_y = (g_h W3) * sigmoid(y);  (g_x, dE/dt) = conv_backward(g_y W2, x);  g_h += g_x W1
 
-The ``- log 2`` of each shifted softplus is folded into the next layer's bias
-(``b3 - log 2 * W3 1``, computed in float64), one op less per layer; results equal the
-autograd path's to float32 rounding (tests/test_calculator_direct.py). Shapes: z [N]
+Results equal the autograd path's to float32 rounding (tests/test_calculator_direct.py).
+Folding each shifted softplus's ``- log 2`` into the next layer's bias would save an op per
+layer but cost digits: the float32 energy of the 20-atom molecule moved 1.4e-6 eV from
+float64 instead of 0.6e-6 (main's autograd path: 0.2e-6), so it is not done. Shapes: z [N]
 int64, pos [N, 3] float64, pairs i, j [P] int64 (a half list, edge vector
 ``pos[j] - pos[i] + shift @ cell``), shift [P, 3] float64 or [0, 3] for a molecule.
 """
@@ -57,14 +64,9 @@ class Dense:
     bias: Tensor | None
 
     @classmethod
-    def of(cls, weight: Tensor, bias: Tensor | None, shifted_input: bool = False) -> Dense:
-        """``weight`` [out, in]; ``shifted_input``: the layer follows a shifted softplus,
-        whose ``- log 2`` moves into the bias (in float64, then the weight's dtype)."""
+    def of(cls, weight: Tensor, bias: Tensor | None) -> Dense:
+        """``weight`` [out, in], ``bias`` [out] or None."""
         weight = weight.detach()
-        if shifted_input:
-            assert bias is not None
-            folded = bias.detach().double() - LOG2 * weight.double().sum(1)
-            bias = folded.to(weight.dtype)
         bias = None if bias is None else bias.detach().contiguous()
         return cls(weight.t().contiguous(), weight.contiguous(), bias)
 
@@ -77,7 +79,7 @@ class Dense:
 @dataclass(frozen=True)
 class TableBlock:
     """One interaction block: ``lin1`` (no bias), the table's cubics ``coefficients``
-    [K - 1, 4, F] (numpy), ``lin2``, and ``lin`` (its input the shifted softplus)."""
+    [K - 1, 4, F] (numpy), ``lin2`` and ``lin``."""
 
     lin1: Dense
     coefficients: np.ndarray
@@ -92,8 +94,7 @@ class DirectTableSchNet:
     Args:
         embedding: [rows, H] per-element features.
         blocks: the interaction blocks in order.
-        readout1: ``lin1`` of the readout (H -> H / 2); readout2: ``lin2`` (H / 2 -> 1), its
-            input the shifted softplus.
+        readout1: ``lin1`` of the readout (H -> H / 2); readout2: ``lin2`` (H / 2 -> 1).
         atomref: [rows] per-element outputs added to each atom's (float64).
         atom_reference: [rows] the energy references (float64), added after.
         mean, std, mean_readout, cutoff, filter_points: as the trained model.
@@ -155,10 +156,10 @@ class DirectTableSchNet:
                 x.numpy(), src, dst, block.coefficients, interval, t, mask, summed.numpy()
             )
             y = block.lin2(summed)  # [N, H]
-            h = h + block.lin(functional.softplus(y))
+            h = h + block.lin(functional.softplus(y).sub_(LOG2))
             saved.append((x, y))
         q = self.readout1(h)  # [N, H / 2]
-        per_atom = self.readout2(functional.softplus(q))[:, 0].numpy().astype(np.float64)
+        per_atom = self.readout2(functional.softplus(q).sub_(LOG2))[:, 0].numpy().astype(np.float64)
         out = per_atom * self.std + self.mean + self.atomref[z]
         energy = out.mean() if self.mean_readout else out.sum()
         d_out = self.std / len(z) if self.mean_readout else self.std
@@ -171,14 +172,18 @@ class DirectTableSchNet:
             block, (x, y) = self.blocks[number], saved[number]
             grad_y = torch.sigmoid(y).mul_(torch.mm(grad_h, block.lin.backward))
             grad_summed = torch.mm(grad_y, block.lin2.backward)  # [N, F]
+            if number == 0:  # the first block's input is the embedding: dE/dt alone
+                pair_loops.table_slope_sum(
+                    x.numpy(), grad_summed.numpy(), i, j, block.coefficients, interval, t, grad_t
+                )
+                break
             grad_x = torch.zeros_like(x)
             fused_table_loops.backward_loop(
                 x.numpy(), grad_summed.numpy(), src, dst, block.coefficients, interval, t,
                 mask, False, grad_x.numpy(), self.no_coefficients, block_grad_t,
             )  # fmt: skip
             grad_t += block_grad_t
-            if number > 0:  # the first block's input is the embedding: no gradient needed
-                grad_h = torch.addmm(grad_h, grad_x, block.lin1.backward)
+            grad_h = torch.addmm(grad_h, grad_x, block.lin1.backward)
         forces, dE_deps = np.zeros((len(z), 3)), np.zeros((3, 3))
         pair_loops.pair_forces(i, j, vec, dist, grad_t, self.scale, forces, dE_deps)
         virial = -0.5 * (dE_deps + dE_deps.T)

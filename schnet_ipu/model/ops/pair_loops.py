@@ -93,9 +93,28 @@ def pair_forces(i, j, vec, dist, grad_t, scale, forces, dE_deps):  # pragma: no 
                 dE_deps[other, axis] += vec[p, other] * g
 
 
+def table_slope_sum(x, grad, i, j, coeffs, interval, t, grad_t):  # pragma: no cover
+    """Add ``sum_f (x[j] G[i] + x[i] G[j]) W'`` into ``grad_t`` [P]: dE/dt of the pair-
+    symmetric table convolution (``W' = dW/dt`` of pair p's cubic in ``coeffs``
+    [K - 1, 4, F]), x, G = dE/d out [N, F]. The backward of the first block, whose input
+    needs no gradient: :func:`~.fused_table_loops.backward_loop` without grad_x."""
+    zero = np.zeros(1, dtype=x.dtype)[0]
+    for p in range(interval.shape[0]):
+        k, tp, a, b = interval[p], t[p], i[p], j[p]
+        total = zero
+        for f in range(x.shape[1]):
+            c1, c2, c3 = coeffs[k, 1, f], coeffs[k, 2, f], coeffs[k, 3, f]
+            slope = c1 + (c2 + c2 + (c3 + c3 + c3) * tp) * tp
+            total += (x[b, f] * grad[a, f] + x[a, f] * grad[b, f]) * slope
+        grad_t[p] += total
+
+
 if AVAILABLE:
     _loop = numba.njit(nogil=True, cache=True, boundscheck=False)
     _count_close = _loop(_count_close)
+    table_slope_sum = numba.njit(nogil=True, cache=True, boundscheck=False, fastmath=True)(
+        table_slope_sum
+    )
     molecule_pairs = _loop(molecule_pairs)
     pair_geometry = _loop(pair_geometry)
     pair_forces = _loop(pair_forces)
