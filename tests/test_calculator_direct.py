@@ -4,70 +4,30 @@ molecule pair search against ASE's neighbour list."""
 
 from __future__ import annotations
 
-import dataclasses
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 from ase import Atoms
-from ase.build import bulk, fcc111, molecule
 from ase.neighborlist import neighbor_list
+from test_export_periodic import CUTOFF, copper_slab, sheared_bulk, write_model
 
 from schnet_ipu.calculator import SchNetCalculator
-from schnet_ipu.checkpoint import save_checkpoint
-from schnet_ipu.config import ModelConfig
 from schnet_ipu.inference import Predictor, half_list
 from schnet_ipu.model.ops import pair_loops
-from schnet_ipu.model_file import ModelSpec, load_trained
+from schnet_ipu.model_file import load_trained
 from schnet_ipu.portable import FusedTableInteraction, PortableSchNet
-from schnet_ipu.task import EnergyTask, TargetTransform
-
-CUTOFF = 4.5
-ELEMENTS = [1, 6, 8, 29]
-
-
-def write_model(folder: Path, filter_kind: str, readout: str) -> Path:
-    """A small model with random weights (atom references and atomref too), as a checkpoint."""
-    reference = np.zeros(119)
-    reference[ELEMENTS] = [-13.6, -1029.8, -2042.6, -1.2]
-    arch = ModelConfig(
-        hidden_channels=24, num_filters=20, num_interactions=3, num_gaussians=12,
-        cutoff=CUTOFF, graph="radius", filter=filter_kind, readout=readout,
-    )  # fmt: skip
-    spec = ModelSpec(
-        model=dataclasses.asdict(arch),
-        max_nodes_per_pack=64,
-        mean=-0.3,
-        std=1.7,
-        task=EnergyTask(TargetTransform(tuple(reference.tolist()), 1.0)).to_dict(),
-        unit="eV",
-        forces_unit="eV/Angstrom",
-        target="energy",
-        pack={"max_nodes": 64, "max_graphs": 1, "max_edges": None, "packs_per_batch": 1},
-        elements=ELEMENTS,
-    )
-    torch.manual_seed(11)
-    model = spec.build_model()
-    torch.nn.init.normal_(model.atomref.weight, std=0.5)
-    path = folder / f"model-{filter_kind}-{readout}.pt"
-    state = {"model": model.state_dict(), "optimizer": {}, "scheduler": {}, "rng": {}}
-    state.update(epoch=0, call=0, best_mae=0.0, config={}, model_spec=spec.to_dict())
-    save_checkpoint(path, state)
-    return path
 
 
 def structures() -> dict[str, Atoms]:
-    """A molecule, a slab (periodic in two directions) and a sheared bulk cell."""
-    slab = fcc111("Cu", size=(2, 2, 3), vacuum=5.0, a=3.61)
-    slab.cell[1] += [0.6, 0.0, 0.0]
-    slab.rattle(0.08, seed=2)
-    cell = bulk("Cu", "fcc", a=3.61).repeat((2, 2, 2))
-    cell.set_cell(cell.cell.array + np.array([[0.0, 0.4, 0.2], [0.3, 0.0, 0.0], [0.0] * 3]))
-    cell.rattle(0.1, seed=3)
-    ethanol = molecule("CH3CH2OH")
-    ethanol.rattle(0.05, seed=4)
-    return {"molecule": ethanol, "slab": slab, "sheared bulk": cell}
+    """A molecule (a rattled Cu/H/O cluster), a slab (periodic in two directions, triclinic)
+    and a sheared bulk cell."""
+    rng = np.random.default_rng(4)
+    grid = np.array([(a, b, c) for a in range(3) for b in range(3) for c in range(2)])
+    cluster = Atoms(
+        numbers=rng.choice([1, 8, 29], size=len(grid)),
+        positions=1.6 * grid + rng.uniform(-0.2, 0.2, grid.shape),
+    )
+    return {"molecule": cluster, "slab": copper_slab(), "sheared bulk": sheared_bulk()}
 
 
 @pytest.mark.parametrize("readout", ["sum", "mean"])
