@@ -119,10 +119,8 @@ class DirectTableSchNet:
         self.readout1, self.readout2 = readout1, readout2
         self.atomref, self.atom_reference = atomref, atom_reference
         self.mean, self.std, self.mean_readout = mean, std, mean_readout
-        self.cutoff = cutoff
         self.scale = (filter_points - 1) / cutoff
         self.last_interval = float(filter_points - 2)
-        self.dtype = self.embedding.dtype
         self.numpy_dtype = self.embedding.numpy().dtype
         self.no_coefficients = np.empty((0, 0, 0), self.numpy_dtype)
 
