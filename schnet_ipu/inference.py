@@ -7,12 +7,15 @@
 
 Each model is a checkpoint file or a run folder (its best checkpoint); nothing else of the
 run is read, so a model file copied to another machine works there alone. Every structure
-is evaluated on its own, float32 as trained or float64 when asked, by
-:class:`~schnet_ipu.portable.PortableSchNet` (no packing) over vesin's O(N) half list of
-pairs (radius models; knn models search their own), molecules and periodic frames (a cell
-and any ``pbc``) alike; periodic frames get the stress too (ASE's convention,
-eV/Angstrom^3). A model trained with ``model.filter=table`` reads its table through the
-fused numba loop; ``exact`` ones run their filter network per pair. An ensemble's
+is evaluated on its own, float32 as trained or float64 when asked, with the weights of
+:class:`~schnet_ipu.portable.PortableSchNet` (no packing) over a half list of pairs
+(:func:`half_list`: all distances in a compiled loop for molecules under
+``MOLECULE_PAIRS_ATOMS`` atoms, else vesin's O(N) cell list; knn models search their own),
+molecules and periodic frames (a cell and any ``pbc``) alike; periodic frames get the
+stress too (ASE's convention, eV/Angstrom^3). A model trained with ``model.filter=table``
+runs :mod:`schnet_ipu.model.direct_forces` (its table in numba's fused loops, the backward
+written out: no autograd); ``exact`` ones run their filter network per pair under
+autograd. An ensemble's
 prediction is the members' mean; the ``*_std`` fields are their spread (population
 standard deviation over members, 0 for one model).
 """
@@ -40,6 +43,8 @@ from schnet_ipu.cell_list import neighbour_pairs
 from schnet_ipu.config import ConfigError
 from schnet_ipu.data.ase_files import check_frame, frame_cell, read_frames, write_extxyz
 from schnet_ipu.errors import CheckpointError
+from schnet_ipu.model.direct_forces import Dense, DirectTableSchNet, TableBlock
+from schnet_ipu.model.ops import pair_loops
 from schnet_ipu.model_file import ModelSpec, load_trained
 from schnet_ipu.portable import PortableSchNet
 
@@ -52,6 +57,9 @@ log = logging.getLogger("schnet_ipu")
 # 1.1-1.2); at load 8 the two-thread calls took 15-60x longer (torch's pool waits on its
 # descheduled thread). 10,000 atoms keep torch's threads: not measured on a quiet box.
 ONE_THREAD_ATOMS = 2000
+# Below this many atoms a molecule's pairs come from all N (N - 1) / 2 distances in a
+# compiled loop rather than vesin's cell list (see half_list)
+MOLECULE_PAIRS_ATOMS = 2000
 
 ModelPaths = Union[str, Path, Sequence[Union[str, Path]]]  # one model file/run, or several
 
@@ -99,6 +107,11 @@ class Predictor:
         self.modules = [
             PortableSchNet.from_trained(m, dtype, fused=True).requires_grad_(False) for m in members
         ]
+        # radius models with the table filter: energy and forces without autograd
+        self.direct = [
+            direct_model(module) if module.fused and spec.model["graph"] == "radius" else None
+            for spec, module in zip(self.specs, self.modules)
+        ]
         self.dtype = dtype
         self.unit = members[0].spec.unit
         self.forces_unit = members[0].spec.forces_unit
@@ -117,29 +130,40 @@ class Predictor:
         for spec in self.specs:
             spec.check_elements(np.asarray(z), where)
         periodic = cell is not None and pbc is not None and bool(np.any(pbc))
-        z_t = torch.as_tensor(np.asarray(z, dtype=np.int64))
-        pos_t = torch.as_tensor(np.asarray(pos, dtype=np.float64))
-        edges = {}  # radius pairs by cutoff: members of an ensemble share them
+        z = np.asarray(z, dtype=np.int64)
+        pos = np.ascontiguousarray(pos, dtype=np.float64)
+        box = np.ascontiguousarray(cell, np.float64) if periodic else np.zeros((3, 3))
+        pairs = {}  # half lists by cutoff: members of an ensemble share them
         results = []
         threads = 1 if len(z) < ONE_THREAD_ATOMS else torch.get_num_threads()
         with intra_op_threads(threads):
-            for spec, module in zip(self.specs, self.modules):
+            for spec, module, direct in zip(self.specs, self.modules, self.direct):
                 if spec.model["graph"] != "radius":
                     if periodic:
                         raise ConfigError(f"{where}: periodic frames need a radius-graph model")
-                    energy, force = module(z_t, pos_t.to(self.dtype))
+                    pos_t = torch.from_numpy(pos).to(self.dtype)
+                    energy, force = module(torch.from_numpy(z), pos_t)
                     results.append((float(energy), force.double().numpy(), None))
                     continue
-                if spec.cutoff not in edges:
-                    edges[spec.cutoff] = neighbour_edges(pos, cell, pbc, spec.cutoff, periodic)
-                edge_index, offsets = edges[spec.cutoff]
-                energy, force, virial = module.forward_edges(
-                    z_t, pos_t, edge_index, offsets, full_list=False
-                )
-                stress = None
-                if periodic:
-                    stress = -virial.double().numpy() / abs(np.linalg.det(cell))
-                results.append((float(energy), force.double().numpy(), stress))
+                if spec.cutoff not in pairs:
+                    pairs[spec.cutoff] = half_list(pos, box, pbc, spec.cutoff, periodic)
+                i, j, shift = pairs[spec.cutoff]
+                if direct is not None:
+                    energy, force, virial = direct.energy_forces(z, pos, i, j, shift, box)
+                else:
+                    offsets = shift @ box if periodic else np.zeros((len(i), 3))
+                    energy, force_t, virial_t = module.forward_edges(
+                        torch.from_numpy(z), torch.from_numpy(pos),
+                        torch.from_numpy(np.stack([i, j])), torch.from_numpy(offsets), False,
+                    )  # fmt: skip
+                    energy, force = float(energy), force_t.double().numpy()
+                    virial = virial_t.double().numpy()
+                stress = -virial / abs(np.linalg.det(box)) if periodic else None
+                results.append((float(energy), force, stress))
+        if len(results) == 1:  # one model: no spread to compute (np.std costs ~20 us)
+            energy, force, stress = results[0]
+            spread = None if stress is None else np.zeros_like(stress)
+            return Prediction(energy, force, 0.0, np.zeros_like(force), stress, spread)
         energies = np.array([energy for energy, _, _ in results])
         forces = np.stack([force for _, force, _ in results])
         stress = np.stack([s for _, _, s in results]) if periodic else None
@@ -153,33 +177,64 @@ class Predictor:
         )
 
 
-def neighbour_edges(
-    pos: np.ndarray, cell: np.ndarray | None, pbc: np.ndarray | None, cutoff: float, periodic: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The half list of one structure as (edge_index int64 [2, P], offsets float64 [P, 3] =
-    S @ cell) for :meth:`PortableSchNet.forward_edges`; O(N) (a cell list).
+def half_list(
+    pos: np.ndarray, box: np.ndarray, pbc: np.ndarray | None, cutoff: float, periodic: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The half list of one structure as (i, j int64 [P], shift float64 [P, 3]; [0, 3] for
+    a molecule), edge vector ``pos[j] - pos[i] + shift @ box``; each pair once.
 
-    vesin's pairs as they come (``pos[j] - pos[i] + S @ cell``, each pair once), without
+    Molecules under ``MOLECULE_PAIRS_ATOMS`` atoms: every distance in a compiled loop
+    (:func:`schnet_ipu.model.ops.pair_loops.molecule_pairs`). Otherwise vesin's O(N) cell
+    list, pairs as they come, without
     :func:`~schnet_ipu.data.periodic_pairs.frame_pairs`' canonical form, which the
     symmetric evaluation does not need: 10,000 Cu atoms 26 against 40 ms. Without vesin
     (its wheels need Python 3.10; the IPU SDK's is 3.8) the torch-ops cell list the
     exported file uses (:func:`schnet_ipu.cell_list.neighbour_pairs`, ~10x slower)."""
-    box = np.asarray(cell, np.float64) if periodic else np.zeros((3, 3))
+    molecule_shift = np.zeros((0, 3))
+    if not periodic and pair_loops.AVAILABLE and len(pos) < MOLECULE_PAIRS_ATOMS:
+        i, j = pair_loops.molecule_pairs(pos, float(cutoff))
+        return i, j, molecule_shift
     if vesin is None:
         i, j, shift = neighbour_pairs(
-            torch.as_tensor(np.asarray(pos, np.float64)),
-            torch.as_tensor(box) if periodic else None,
+            torch.from_numpy(pos),
+            torch.from_numpy(box) if periodic else None,
             torch.as_tensor(np.asarray(pbc, bool)) if periodic else None,
             float(cutoff),
         )
-        offsets = shift.numpy() @ box
-        return torch.stack([i, j]), torch.from_numpy(offsets)
+        shift = shift.numpy() if periodic else molecule_shift
+        return i.numpy(), j.numpy(), shift
     flags = np.asarray(pbc, bool).tolist() if periodic else [False, False, False]
     search = vesin.NeighborList(cutoff=float(cutoff), full_list=False, n_threads=1)
-    i, j, shift = search.compute(np.asarray(pos, np.float64), box, flags, quantities="ijS")
-    shift = shift.astype(np.float64)
-    offsets = shift[:, :1] * box[0] + shift[:, 1:2] * box[1] + shift[:, 2:] * box[2]
-    return torch.from_numpy(np.stack([i, j]).astype(np.int64)), torch.from_numpy(offsets)
+    i, j, shift = search.compute(pos, box, flags, quantities="ijS")
+    shift = shift.astype(np.float64) if periodic else molecule_shift
+    return i.astype(np.int64), j.astype(np.int64), shift
+
+
+def direct_model(module: PortableSchNet) -> DirectTableSchNet:
+    """A fused table-filter module's weights (frozen) as the hand-derived energy + forces of
+    :mod:`schnet_ipu.model.direct_forces`."""
+    blocks = [
+        TableBlock(
+            lin1=Dense.of(block.conv.lin1.weight, None),
+            coefficients=block.coefficients.detach().contiguous().numpy(),
+            lin2=Dense.of(block.conv.lin2.weight, block.conv.lin2.bias),
+            lin=Dense.of(block.lin.weight, block.lin.bias),
+        )
+        for block in module.interactions
+    ]
+    return DirectTableSchNet(
+        embedding=module.embedding.weight,
+        blocks=blocks,
+        readout1=Dense.of(module.lin1.weight, module.lin1.bias),
+        readout2=Dense.of(module.lin2.weight, module.lin2.bias),
+        atomref=module.atomref.weight.detach()[:, 0].double().numpy(),
+        atom_reference=module.atom_reference.double().numpy(),
+        mean=module.mean,
+        std=module.std,
+        mean_readout=module.mean_readout,
+        cutoff=module.cutoff,
+        filter_points=module.filter_points,
+    )
 
 
 @contextmanager

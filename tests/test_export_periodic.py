@@ -35,13 +35,13 @@ CUTOFF = 5.0
 ENERGY, FORCES, STRESS = 1e-4, 1e-3, 1e-5  # eV, eV/A, eV/A^3: the issue's tolerances
 
 
-def write_model(folder: Path, filter_kind: str) -> Path:
+def write_model(folder: Path, filter_kind: str, readout: str = "sum") -> Path:
     """A small model with random weights (atom references too) as a checkpoint file."""
     reference = np.zeros(119)
     reference[[1, 8, 29]] = [-13.6, -2042.6, -1.2]
     arch = ModelConfig(
         hidden_channels=16, num_filters=12, num_interactions=2, num_gaussians=10,
-        cutoff=CUTOFF, graph="radius", filter=filter_kind,
+        cutoff=CUTOFF, graph="radius", filter=filter_kind, readout=readout,
     )  # fmt: skip
     spec = ModelSpec(
         model=dataclasses.asdict(arch),
@@ -58,7 +58,7 @@ def write_model(folder: Path, filter_kind: str) -> Path:
     torch.manual_seed(5)
     model = spec.build_model()
     torch.nn.init.normal_(model.atomref.weight, std=0.5)
-    path = folder / f"model-{filter_kind}.pt"
+    path = folder / f"model-{filter_kind}-{readout}.pt"
     state = {"model": model.state_dict(), "optimizer": {}, "scheduler": {}, "rng": {}}
     state.update(epoch=0, call=0, best_mae=0.0, config={}, model_spec=spec.to_dict())
     save_checkpoint(path, state)
