@@ -49,6 +49,10 @@ class TrainingError(UserError, RuntimeError):
     """Training cannot go on (a non-finite loss, say); the last good checkpoint is kept."""
 
 
+class ReplicaWaitError(UserError, TimeoutError):
+    """A replica waited too long for the others (rank 0's data, a gradient reduction)."""
+
+
 class RunDirError(UserError, ValueError):
     """A run directory's logs that cannot be used as they are."""
 

@@ -35,6 +35,7 @@ from schnet_ipu.backends.distributed import (
 from schnet_ipu.backends.shared_memory import SHARED_DIR
 from schnet_ipu.batch import Batch
 from schnet_ipu.config import BackendConfig, ConfigError
+from schnet_ipu.errors import ReplicaWaitError
 from schnet_ipu.model import SchNet
 from schnet_ipu.task import masked_mse
 
@@ -230,5 +231,5 @@ def test_rank0_prepares_the_data_before_the_others(tmp_path: Path) -> None:
 
 
 def test_waiting_for_rank0_times_out_with_a_clear_error(tmp_path: Path) -> None:
-    with pytest.raises(mp.ProcessRaisedException, match="rank 0 did not finish preparing"):
+    with pytest.raises(ReplicaWaitError, match="rank 0 did not finish preparing"):
         launch_replicas(preparing_worker, 2, 2, tmp_path, 30.0)

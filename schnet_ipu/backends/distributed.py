@@ -41,7 +41,7 @@ from torch import Tensor, nn
 
 from schnet_ipu.backends.shared_memory import SharedMemoryReduction
 from schnet_ipu.config import IPU_DEVICES, BackendConfig, ConfigError
-from schnet_ipu.errors import EXIT_USER_ERROR, UserError
+from schnet_ipu.errors import EXIT_USER_ERROR, ReplicaWaitError, UserError
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 _spawn_barrier = None  # the barrier of the replicas spawned together with this process
@@ -98,10 +98,6 @@ def processes_for(backend_cfg: BackendConfig, device: str) -> int:
             f"device(s) and each replica takes one: set backend.replicas={gpus}"
         )
     return backend_cfg.replicas
-
-
-class ReplicaWaitError(UserError, TimeoutError):
-    """A replica waited too long for rank 0's data (one line, exit 2)."""
 
 
 def replicas_in_call(backend_cfg: BackendConfig, device: str, replica: ReplicaInfo) -> int:
@@ -173,7 +169,7 @@ def join_poprun_group(backend_cfg: BackendConfig, instance: ReplicaInfo, timeout
 
     total, local = popdist.getNumTotalReplicas(), popdist.getNumLocalReplicas()
     if total != backend_cfg.replicas or local * instance.world_size != total:
-        raise RuntimeError(
+        raise ConfigError(
             f"PopRun runs {total} replicas ({local} per instance, {instance.world_size} "
             f"instances) but backend.replicas={backend_cfg.replicas}; pass the same count to "
             "poprun --num-replicas and the config (scripts/poprun.py does)"
@@ -182,7 +178,7 @@ def join_poprun_group(backend_cfg: BackendConfig, instance: ReplicaInfo, timeout
         return
     missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
     if missing:
-        raise RuntimeError(
+        raise ConfigError(
             f"PopRun with {instance.world_size} instances needs {' and '.join(missing)} in "
             "every instance's environment for the evaluation process group; start it with "
             "the command scripts/poprun.py prints (it exports them)"

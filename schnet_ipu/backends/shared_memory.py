@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from schnet_ipu.errors import ReplicaWaitError
+
 SHARED_DIR = "/dev/shm"  # memory-backed on Linux; elsewhere the temporary directory
 
 
@@ -55,7 +57,7 @@ class SharedMemoryReduction:
         try:
             self.barrier.wait(self.timeout_s)
         except threading.BrokenBarrierError as err:
-            raise RuntimeError(
+            raise ReplicaWaitError(
                 f"replica {self.rank}: the other replicas did not reach the gradient reduction "
                 f"within {self.timeout_s:.0f} s"
             ) from err
