@@ -20,7 +20,7 @@ import torch
 from schnet_ipu.backends import Backend, TorchBackend, make_backend, select_device
 from schnet_ipu.backends.distributed import ReplicaInfo
 from schnet_ipu.budget import Budget
-from schnet_ipu.config import IPU_DEVICES, Config, ConfigError, config_from_dict
+from schnet_ipu.config import IPU_DEVICES, Config, ConfigError, OptimConfig, config_from_dict
 from schnet_ipu.data import MoleculeStore
 from schnet_ipu.errors import CheckpointError
 from schnet_ipu.model import SchNet
@@ -164,6 +164,17 @@ def force_rms(store: MoleculeStore, molecules: np.ndarray) -> float:
     return float(np.sqrt(np.mean(forces**2))) or 1.0
 
 
+def peak_lr(oc: OptimConfig) -> float:
+    """The run's peak learning rate: ``optim.lr``, or for a budget longer than
+    ``optim.lr_reference_minutes`` (the budget ``optim.lr`` was measured best at) ``optim.lr *
+    sqrt(reference / max_minutes)``: longer runs stay near the peak for more steps, and a peak
+    that is best for 10 minutes diverges or overshoots over 30 (``configs/qm9.yaml``)."""
+    reference, budget = oc.lr_reference_minutes, oc.max_minutes
+    if reference <= 0 or budget <= reference:
+        return oc.lr
+    return oc.lr * math.sqrt(reference / budget)
+
+
 def make_optimizer(cfg: Config, model: torch.nn.Module, device: str) -> torch.optim.Adam:
     """Adam, as in the paper; on CPU and CUDA its fused kernel (the same update in one pass
     over the parameters, 5x faster than the per-tensor loop for SchNet on a CPU; torch
@@ -173,10 +184,10 @@ def make_optimizer(cfg: Config, model: torch.nn.Module, device: str) -> torch.op
         from schnet_ipu.backends.poptorch_backend import make_optimizer as make_ipu_optimizer
 
         oc = cfg.optim
-        return make_ipu_optimizer(model.parameters(), oc.lr, oc.weight_decay, oc.grad_clip)
+        return make_ipu_optimizer(model.parameters(), peak_lr(oc), oc.weight_decay, oc.grad_clip)
     return torch.optim.Adam(
         model.parameters(),
-        lr=cfg.optim.lr,
+        lr=peak_lr(cfg.optim),
         weight_decay=cfg.optim.weight_decay,
         fused=device == "cuda" or (device == "cpu" and TORCH_VERSION >= (2, 4)),
     )
@@ -196,7 +207,7 @@ def make_scheduler(
             optimizer, factor=oc.plateau_factor, patience=oc.plateau_patience, min_lr=oc.min_lr
         )
     total = max(oc.epochs * steps_per_epoch, 1)
-    floor = min(oc.min_lr / oc.lr, 1.0)
+    floor = min(oc.min_lr / peak_lr(oc), 1.0)
 
     def factor(step: int) -> float:
         if oc.schedule == "constant":

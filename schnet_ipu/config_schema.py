@@ -89,7 +89,8 @@ class ModelConfig:
 @dataclass
 class OptimConfig:
     epochs: int = 100
-    lr: float = 1e-3
+    lr: float = 1e-3  # peak learning rate; > 0 lr_reference_minutes: at budgets up to those
+    lr_reference_minutes: float = 0.0  # longer budgets peak at lr * sqrt(ref / max_minutes)
     schedule: str = "plateau"  # plateau | cosine | constant
     warmup_steps: int = 0  # cosine: linear warmup steps
     plateau_patience: int = 5  # plateau: epochs without improvement before decay
@@ -215,6 +216,7 @@ NON_NEGATIVE = (
     "optim.forces_weight",
     "optim.stress_weight",
     "optim.max_minutes",
+    "optim.lr_reference_minutes",
     "optim.ema_decay",
     "optim.spike_rollbacks",
     "backend.threads",

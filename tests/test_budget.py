@@ -10,6 +10,7 @@ import torch
 from helpers import Killed, kill_after_first_checkpoint, qm9_rows, smoke_overrides
 
 from schnet_ipu.budget import Budget, WeightAverage
+from schnet_ipu.components import make_optimizer, make_scheduler, peak_lr
 from schnet_ipu.config import ConfigError, load_config
 from schnet_ipu.evaluation import evaluate_run
 from schnet_ipu.runlog import read_records
@@ -155,3 +156,30 @@ def test_average_follows_the_weights_from_the_start():
 def test_ema_decay_outside_0_1_is_refused():
     with pytest.raises(ConfigError, match=r"optim\.ema_decay"):
         load_config(None, ["optim.ema_decay=1.0"])
+
+
+@pytest.mark.parametrize(
+    "reference, minutes, expected",
+    [(0.0, 30.0, 4e-3), (10.0, 5.0, 4e-3), (10.0, 10.0, 4e-3), (10.0, 40.0, 2e-3)],
+)
+def test_the_peak_lr_follows_the_budget_beyond_its_reference(reference, minutes, expected):
+    """configs/qm9.yaml: lr 4e-3 is best up to 10 minutes; longer budgets scale it by
+    sqrt(10 / minutes), and the cosine starts from that peak and ends at min_lr."""
+    cfg = load_config(
+        None,
+        [
+            "optim.lr=4e-3",
+            f"optim.lr_reference_minutes={reference}",
+            f"optim.max_minutes={minutes}",
+            "optim.schedule=cosine",
+            "optim.min_lr=1e-4",
+        ],
+    )
+    assert peak_lr(cfg.optim) == pytest.approx(expected)
+    optimizer = make_optimizer(cfg, torch.nn.Linear(2, 1), "cpu")
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(expected)
+    budget = Budget(minutes, spent=60.0 * minutes)  # a spent budget: the cosine's floor
+    scheduler = make_scheduler(cfg, optimizer, steps_per_epoch=10, budget=budget)
+    for _ in range(cfg.optim.warmup_steps + 1):
+        scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-4)
