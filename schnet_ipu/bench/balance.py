@@ -11,7 +11,6 @@ mean over steps of slowest / mean replica fwd+bwd (``predicted_``: by the cost m
 from __future__ import annotations
 
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -23,14 +22,13 @@ from schnet_ipu.backends import init_replica
 from schnet_ipu.backends.distributed import broadcast_parameters, merged_allreduce
 from schnet_ipu.batch import Batch
 from schnet_ipu.batch_layout import Layout
-from schnet_ipu.bench.common import QM9_STORE, new_report
+from schnet_ipu.bench import common
+from schnet_ipu.bench.batching import collate_groups, epoch_batches
 from schnet_ipu.bench.replicas import Replicas
 from schnet_ipu.config import BackendConfig, ModelConfig
-from schnet_ipu.data import MoleculeStore, generate_water, make_split, radius_pairs
-from schnet_ipu.epoch_schedule import PackedDataset
+from schnet_ipu.data import MoleculeStore, radius_pairs
 from schnet_ipu.feed_arrays import FeedArrays
 from schnet_ipu.model import SchNet
-from schnet_ipu.packing import assign_packs, plan_packing
 from schnet_ipu.packing.balance import (
     balance_batches,
     fit_cost_model,
@@ -38,7 +36,6 @@ from schnet_ipu.packing.balance import (
     round_robin,
     step_costs,
 )
-from schnet_ipu.packing.baselines import run_baseline
 from schnet_ipu.task import masked_mse
 
 COLUMNS = ["dataset", "batching", "schedule", "straggler", "predicted_straggler", "epoch_s",
@@ -52,31 +49,17 @@ QUICK = {"sample": 800, "water_clusters": 300, "water_sizes": (3, 20), "epochs":
 def build_batches(
     store: MoleculeStore, index: np.ndarray, batching: str, batch: int, cutoff: float
 ) -> list[Batch]:
-    """One epoch of collated batches (every molecule of ``index`` once), seed 0."""
-    nodes = store.num_atoms[index]
-    pairs = radius_pairs(store, cutoff)
+    """One epoch of collated batches (every molecule of ``index`` once), seed 0: the batching
+    suite's tuple packs, or its dynamic batches each at its own shape."""
+    nodes, pairs = store.num_atoms[index], radius_pairs(store, cutoff)
     edges = 2 * pairs.counts[index]
-    targets = np.zeros(len(store))
-    any_plan = plan_packing(nodes, None, "pad_to_max")  # collate never reads it
+    algorithm = "tuple" if batching == "packs" else "dynamic"
+    groups = epoch_batches(algorithm, nodes, edges, batch, cutoff)[0]
     if batching == "dynamic":
-        result = run_baseline("dynamic", nodes, edges, batch, seed=0)
-        groups = [([b], int(nodes[b].sum()), int(edges[b].sum()), len(b)) for b in result.batches]
-        layouts = [Layout(1, n, g + 1, max(e, 2), cutoff) for _, n, e, g in groups]
-        packs = [p for p, *_ in groups]
-    else:
-        plan = plan_packing(nodes, edges, "tuple")
-        all_packs = assign_packs(plan, nodes, edges, 0, 0)
-        per = max(1, round(batch * plan.num_packs / len(nodes)))
-        layout = Layout(per, plan.max_nodes, plan.max_graphs, plan.max_edges, cutoff)
-        packs = [all_packs[i : i + per] for i in range(0, len(all_packs), per)]
-        layouts = [layout] * len(packs)
-    arrays = FeedArrays.from_store(store, targets, pairs)  # once, shared by every batch
-    return [
-        PackedDataset(store, index, targets, any_plan, layout, 0, arrays=arrays).collate(
-            [index[p] for p in group]
-        )
-        for group, layout in zip(packs, layouts)
-    ]
+        groups = [([b], Layout(1, int(nodes[b].sum()), len(b) + 1, max(int(edges[b].sum()), 2),
+                               cutoff)) for (b,), _ in groups]  # fmt: skip
+    arrays = FeedArrays.from_store(store, np.zeros(len(store)), pairs)  # shared by every batch
+    return collate_groups(store, index, groups, arrays)
 
 
 def shape_counts(batches: list[Batch]) -> tuple[np.ndarray, np.ndarray]:
@@ -195,23 +178,17 @@ def summarise(job: dict, records: list, cost, atoms: np.ndarray, edges: np.ndarr
 
 
 def run(
-    store: str | Path = QM9_STORE, sample: int = 4000, water_clusters: int = 600,
+    store: str | Path = common.QM9_STORE, sample: int = 4000, water_clusters: int = 600,
     water_sizes: tuple[int, int] = (3, 30), batch: int = 32, epochs: int = 3,
     size: ModelConfig | None = None,
 ) -> dict:  # fmt: skip
     """QM9 (a fixed random sample) and synthetic water, dynamic batches and packs."""
     size = size or ModelConfig()
-    qm9 = MoleculeStore(store)
-    qm9_index = make_split(len(qm9), 0, 0, seed=0, subset=min(sample, len(qm9)))["train"]
-    with tempfile.TemporaryDirectory() as tmp:
-        water_path = generate_water(Path(tmp) / "water.h5", water_clusters, water_sizes)
+    with common.qm9_and_water(store, sample, water_clusters, water_sizes) as datasets:
         jobs = [
             {"dataset": name, "store": str(path), "index": index, "batching": batching,
              "batch": batch}
-            for name, path, index in (
-                ("qm9", store, qm9_index), ("water", water_path, np.arange(water_clusters))
-            )
-            for batching in ("dynamic", "packs")
+            for name, (path, index) in datasets.items() for batching in ("dynamic", "packs")
         ]  # fmt: skip
         with Replicas(REPLICAS, replica_setup, jobs, size, epochs) as group:
             results = group.call("run")[0]
@@ -226,7 +203,7 @@ def run(
     notes = [
         f"{REPLICAS} CPU replicas (1 thread each, gloo all-reduce per step), SchNet "
         f"{size.hidden_channels}x{size.num_interactions}, radius {size.cutoff}, about {batch} "
-        f"molecules per batch; QM9 {len(qm9_index)} molecules, water {water_clusters} "
+        f"molecules per batch; QM9 {len(jobs[0]['index'])} molecules, water {water_clusters} "
         f"clusters of {water_sizes[0]}-{water_sizes[1]}; {epochs} epochs per schedule; medians.",
     ]
-    return new_report("balance", results, ratios, notes)
+    return common.new_report("balance", results, ratios, notes)

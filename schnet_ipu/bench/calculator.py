@@ -25,7 +25,7 @@ from ase.md.velocitydistribution import MaxwellBoltzmannDistribution
 from ase.md.verlet import VelocityVerlet
 from ase.units import fs
 
-from schnet_ipu.bench.common import PAPER_CONFIG, ROOT, Timing, measure_side_by_side, new_report
+from schnet_ipu.bench import common
 from schnet_ipu.calculator import SchNetCalculator
 from schnet_ipu.checkpoint import save_checkpoint
 from schnet_ipu.config import load_config
@@ -33,7 +33,7 @@ from schnet_ipu.inference import ONE_THREAD_ATOMS, export_model
 from schnet_ipu.model_file import ModelSpec
 from schnet_ipu.task import EnergyTask, TargetTransform
 
-METAL_CONFIG = ROOT / "configs/emt_bulk.yaml"
+METAL_CONFIG = common.ROOT / "configs/emt_bulk.yaml"
 COLUMNS = ["name", "structure", "atoms", "dtype", "ms_per_call", "md_steps_per_s", "load_avg"]
 PLOT = ("name", "ms_per_call", "ms per energy + forces (+ stress) call")
 MOLECULE_ELEMENTS = [1, 6, 7, 8]
@@ -122,7 +122,9 @@ def interleaved_latency(calls: dict[str, Callable], atoms: Atoms, rounds: int) -
         return lambda: call(next(frames)) or 1
 
     steps = {name: step(call) for name, call in calls.items()}
-    rates = measure_side_by_side(steps, Timing(warmup=WARM_UP, steps=1, repeats=rounds))
+    rates = common.measure_side_by_side(
+        steps, common.Timing(warmup=WARM_UP, steps=1, repeats=rounds)
+    )
     return {name: 1000 * rate.step_seconds for name, rate in rates.items()}
 
 
@@ -154,7 +156,7 @@ def run(quick: bool = False, structures: list | None = None) -> dict:
     results = []
     with tempfile.TemporaryDirectory() as folder:
         paths = {
-            "paper": model_file(Path(folder), PAPER_CONFIG, MOLECULE_ELEMENTS),
+            "paper": model_file(Path(folder), common.PAPER_CONFIG, MOLECULE_ELEMENTS),
             "metal": model_file(Path(folder), METAL_CONFIG, CELL_ELEMENTS),
         }
         calcs, modules = {}, {}
@@ -192,4 +194,4 @@ def run(quick: bool = False, structures: list | None = None) -> dict:
         "exported file on torch's default count (as an engine calls it); load_avg: 1-minute "
         "load after the row's rounds",
     ]
-    return new_report("calculator", results, {}, notes)
+    return common.new_report("calculator", results, {}, notes)

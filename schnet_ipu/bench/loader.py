@@ -16,15 +16,7 @@ from pathlib import Path
 import torch
 
 from schnet_ipu import compiled_feed
-from schnet_ipu.bench import pyg
-from schnet_ipu.bench.common import (
-    PAPER_CONFIG,
-    QM9_STORE,
-    Timing,
-    measure_side_by_side,
-    new_report,
-    ratio,
-)
+from schnet_ipu.bench import common, pyg
 from schnet_ipu.chunk import OutputBuffers
 from schnet_ipu.config import load_config
 from schnet_ipu.data import MoleculeStore, radius_edges
@@ -35,7 +27,7 @@ COLUMNS = ["name", "workers", "device", "cold_molecules_per_s", "warm_molecules_
            "vs_pyg_cold", "vs_pyg_warm", "molecules", "feed_state_mb", "rss_mb"]  # fmt: skip
 PLOT = ("name", "warm_molecules_per_s", "molecules/s (warm)")
 NO_GPU = " (no GPU here: the in-process program on the same CPU tensors)"
-CONFIG = PAPER_CONFIG
+CONFIG = common.PAPER_CONFIG
 WARM_EPOCHS = 5  # warm = the median epoch of these rounds (a shared machine is noisy)
 PYG = "stock PyG DataLoader"
 QUICK = {"extra": ("data.subset=20000", "data.val=1000", "data.test=1000"), "workers": (0, 1)}
@@ -125,7 +117,7 @@ def progress(row: dict) -> None:
 
 
 def run(
-    store: str | Path = QM9_STORE,
+    store: str | Path = common.QM9_STORE,
     extra: tuple[str, ...] = (),
     workers: tuple[int, ...] = (0, 1, 2),
     pyg_molecules: int = 10000,
@@ -154,13 +146,19 @@ def run(
             data, cfg.model.cutoff, max(1, round(per_batch)), pyg_molecules
         )
         progress(reference)
-        warm = measure_side_by_side(steps, Timing(warmup=0, steps=1, repeats=WARM_EPOCHS))
+        warm = common.measure_side_by_side(
+            steps, common.Timing(warmup=0, steps=1, repeats=WARM_EPOCHS)
+        )
         for row in [*rows, reference]:
             row["warm_molecules_per_s"] = warm[row["name"]].molecules_per_s
         del steps, loader
     for row in rows:
-        row["vs_pyg_cold"] = ratio(row["cold_molecules_per_s"], reference["cold_molecules_per_s"])
-        row["vs_pyg_warm"] = ratio(row["warm_molecules_per_s"], reference["warm_molecules_per_s"])
+        row["vs_pyg_cold"] = common.ratio(
+            row["cold_molecules_per_s"], reference["cold_molecules_per_s"]
+        )
+        row["vs_pyg_warm"] = common.ratio(
+            row["warm_molecules_per_s"], reference["warm_molecules_per_s"]
+        )
     default = next((r for r in rows if r["workers"] == load_config(CONFIG).loader.workers), rows[0])
     ratios = {
         "default_warm_molecules_per_s": default["warm_molecules_per_s"],
@@ -179,4 +177,4 @@ def run(
         f"{reference['molecules']} molecules, {max(1, round(per_batch))} per batch, radius "
         "edges as a transform; feed_state_mb: feed arrays + chunk memory.",
     ]
-    return new_report("loader", [*rows, reference], ratios, notes)
+    return common.new_report("loader", [*rows, reference], ratios, notes)

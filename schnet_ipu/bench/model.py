@@ -14,8 +14,7 @@ import torch
 from torch import Tensor
 
 from schnet_ipu.batch_layout import Layout
-from schnet_ipu.bench import pyg
-from schnet_ipu.bench.common import Timing, measure_side_by_side, new_report
+from schnet_ipu.bench import common, pyg
 from schnet_ipu.config import ModelConfig
 from schnet_ipu.data import MoleculeStore, edge_counts
 from schnet_ipu.epoch_schedule import PackedDataset
@@ -90,7 +89,7 @@ def run(
         args = (batch.z[real], batch.pos[real], batch.graph[real])
         steps[f"pyg {graph}"] = fwd_bwd(stock, args, molecules)
         edges[graph] = {"ours": edge_index.shape[1], "real": int(edge_mask.sum())}
-    rates = measure_side_by_side(steps, Timing(warmup=1, steps=1, repeats=repeats))
+    rates = common.measure_side_by_side(steps, common.Timing(warmup=1, steps=1, repeats=repeats))
     results = {
         name: {
             "ms_per_batch": 1000 * rate.step_seconds,
@@ -120,7 +119,7 @@ def run(
         f"{len(radius_packs)} packs of {radius_plan.max_nodes} atoms / {radius_plan.max_edges} "
         f"edges; edge slots (ours) / real edges (PyG): {edges}.",
     ]
-    return new_report("model", rows, speedup["speedup_vs_pyg"], notes)
+    return common.new_report("model", rows, speedup["speedup_vs_pyg"], notes)
 
 
 def fwd_bwd(model: torch.nn.Module, args: tuple, molecules: int):
