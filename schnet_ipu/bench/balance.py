@@ -56,8 +56,10 @@ def build_batches(
     algorithm = "tuple" if batching == "packs" else "dynamic"
     groups = epoch_batches(algorithm, nodes, edges, batch, cutoff)[0]
     if batching == "dynamic":
-        groups = [([b], Layout(1, int(nodes[b].sum()), len(b) + 1, max(int(edges[b].sum()), 2),
-                               cutoff)) for (b,), _ in groups]  # fmt: skip
+        groups = [
+            ([b], Layout(1, int(nodes[b].sum()), len(b) + 1, max(int(edges[b].sum()), 2), cutoff))
+            for (b,), _ in groups
+        ]
     arrays = FeedArrays.from_store(store, np.zeros(len(store)), pairs)  # shared by every batch
     return collate_groups(store, index, groups, arrays)
 

@@ -8,6 +8,7 @@ on real batches of the most frequent shapes, weighted into an epoch estimate.
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from pathlib import Path
 
@@ -127,43 +128,42 @@ def bench_dataset(
         size.hidden_channels, size.num_filters, size.num_interactions, size.num_gaussians,
         size.cutoff, graph="radius", pair_symmetric=True,
     )  # fmt: skip
-    rows, probes = [], []  # probes: (row, shape, (packs, layout))
-    for batch_size in batch_sizes:
-        for algorithm in (*PACKERS, *BASELINES):
-            batches, node_eff, edge_eff = epoch_batches(
-                algorithm, nodes, edges, batch_size, size.cutoff
-            )
-            shapes = Counter(shape_of(layout) for _, layout in batches)
-            row = {
-                "label": f"{name}/{algorithm}/{batch_size}",
+    rows, shapes, probes = [], {}, {}  # probes: (label, shape) -> (packs, layout)
+    for batch_size, algorithm in itertools.product(batch_sizes, (*PACKERS, *BASELINES)):
+        batches, node_eff, edge_eff = epoch_batches(
+            algorithm, nodes, edges, batch_size, size.cutoff
+        )
+        label = f"{name}/{algorithm}/{batch_size}"
+        shapes[label] = Counter(shape_of(layout) for _, layout in batches)
+        rows.append(
+            {
+                "label": label,
                 "dataset": name,
                 "algorithm": algorithm,
                 "batch": batch_size,
                 "node_efficiency": node_eff,
                 "edge_efficiency": edge_eff,
-                "distinct_shapes": len(shapes),
+                "distinct_shapes": len(shapes[label]),
                 "batches": len(batches),
-                "shape_counts": shapes,
             }
-            rows.append(row)
-            wanted = {shape for shape, _ in shapes.most_common(max_shapes)}
-            for packs, layout in batches:
-                shape = shape_of(layout)
-                if shape in wanted:
-                    wanted.discard(shape)
-                    probes.append((row, shape, (packs, layout)))
-    batches = collate_groups(store, index, [group for _, _, group in probes])
-    steps = {str(i): fwd_bwd(model, batch) for i, batch in enumerate(batches)}
+        )
+        wanted = {shape for shape, _ in shapes[label].most_common(max_shapes)}
+        for packs, layout in batches:  # the first batch of each wanted shape
+            if shape_of(layout) in wanted:
+                wanted.discard(shape_of(layout))
+                probes[label, shape_of(layout)] = (packs, layout)
+    batches = collate_groups(store, index, list(probes.values()))
+    steps = {str(key): fwd_bwd(model, batch) for key, batch in zip(probes, batches)}
     rates = common.measure_side_by_side(steps, common.Timing(warmup=1, steps=1, repeats=repeats))
     for row in rows:
-        shapes = row.pop("shape_counts")
+        counts = shapes[row["label"]]
         timed = {
-            shape: rates[str(i)].step_seconds
-            for i, (owner, shape, _) in enumerate(probes)
-            if owner is row
+            shape: rates[str((label, shape))].step_seconds
+            for label, shape in probes
+            if label == row["label"]
         }
-        covered = sum(shapes[s] for s in timed)
-        mean_step = sum(timed[s] * shapes[s] for s in timed) / covered
+        covered = sum(counts[s] for s in timed)
+        mean_step = sum(timed[s] * counts[s] for s in timed) / covered
         row.update(
             step_ms=1000 * mean_step,
             molecules_per_s=len(index) / (mean_step * row["batches"]),

@@ -193,8 +193,12 @@ def run(
     for row in rows:
         if row["name"] in backends:
             backend, variant = backends[row["name"]], configs[row["name"]]
-            val = evaluate(components.make_task(variant, data), backend,
-                           make_loader(variant, data, "val"), "val")  # fmt: skip
+            val = evaluate(
+                components.make_task(variant, data),
+                backend,
+                make_loader(variant, data, "val"),
+                "val",
+            )
             row.update(precision=variant.backend.precision,
                        cuda_graph=variant.backend.cuda_graphs == "true",
                        compile=variant.backend.compile, ops=variant.model.ops,
@@ -263,6 +267,8 @@ def profile_steps(backend, loader: PackedLoader, device: str) -> dict:
     table = averages.table(sort_by=sort_by, row_limit=PROFILE_ROWS)
     print(f"profile, {steps} steps:\n{table}", file=sys.stderr, flush=True)
     top = sorted(averages, key=lambda e: getattr(e, sort_by), reverse=True)[:PROFILE_ROWS]
-    per_step = [{"name": e.key, "ms_per_step": getattr(e, sort_by) / 1e3 / steps,
-                 "calls": e.count / steps} for e in top]  # fmt: skip
+    per_step = [
+        {"name": e.key, "ms_per_step": getattr(e, sort_by) / 1e3 / steps, "calls": e.count / steps}
+        for e in top
+    ]
     return {"steps": steps, "table": table, "top_per_step": per_step}

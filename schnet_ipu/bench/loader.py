@@ -6,12 +6,14 @@ edges per molecule as a transform). Imports are outside every row's timing.
 
 from __future__ import annotations
 
+import itertools
 import resource
 import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -39,23 +41,19 @@ def rss_mb() -> float:
     return pages * resource.getpagesize() / 2**20
 
 
-def synchronised(loader: PackedLoader) -> float:
-    """Now, once the work queued on the loader's device is done (CUDA runs asynchronously)."""
+def run_epoch(loader: PackedLoader, epoch: int) -> int:
+    """The loader's whole ``epoch``, the loader alone, until the work it queued on its device
+    is done (CUDA runs asynchronously); its molecules."""
+    molecules = sum(b.num_molecules for call in loader.epoch(epoch) for b in call)
     if loader.dataset.arrays.device.type == "cuda":
         torch.cuda.synchronize(loader.dataset.arrays.device)
-    return time.perf_counter()
+    return molecules
 
 
-def epochs(loader: PackedLoader):
-    """A timer step: the loader's next whole epoch, the loader alone; its molecules."""
-    counter = iter(range(1, 1_000_000))
-
-    def step() -> int:
-        molecules = sum(b.num_molecules for call in loader.epoch(next(counter)) for b in call)
-        synchronised(loader)
-        return molecules
-
-    return step
+def warm_epochs(loader: PackedLoader) -> Callable[[], int]:
+    """A timer step: the loader's next epoch (:func:`run_epoch`)."""
+    rounds = itertools.count(1)
+    return lambda: run_epoch(loader, next(rounds))
 
 
 def ours(
@@ -70,8 +68,8 @@ def ours(
     start = time.perf_counter()
     loader = make_loader(cfg, data, "train", device=device)
     loader.dataset.compiled = compiled
-    molecules = sum(b.num_molecules for call in loader.epoch(0) for b in call)
-    cold = synchronised(loader) - start
+    molecules = run_epoch(loader, 0)
+    cold = time.perf_counter() - start
     arrays = loader.dataset.arrays
     chunk = loader.chunk_batches * loader.dataset.layout.batch_bytes(arrays.forces is not None)
     # chunk memory: the buffers the loader keeps for reuse, else the chunks in flight at most
@@ -111,11 +109,6 @@ def stock(data: PreparedData, cutoff: float, batch_size: int, limit: int):
     return row, lambda: sum(batch.num_graphs for batch in loader)
 
 
-def progress(row: dict) -> None:
-    """One finished mode on stderr, so a long run shows where it is."""
-    print(f"{row['name']}: cold {row['cold_molecules_per_s']:.0f} molecules/s", file=sys.stderr)
-
-
 def run(
     store: str | Path = common.QM9_STORE,
     extra: tuple[str, ...] = (),
@@ -139,13 +132,13 @@ def run(
         for name, count, where, compiled in [*modes, ("ours device-resident", 0, device, loop)]:
             row, loader = ours(cfg, data, name, count, where, pairs_s, compiled)
             rows.append(row)
-            steps[name] = epochs(loader)
-            progress(row)
+            steps[name] = warm_epochs(loader)
+            print(f"{name}: cold {row['cold_molecules_per_s']:.0f} molecules/s", file=sys.stderr)
         per_batch = rows[0]["molecules"] / (len(loader) or 1)
         reference, steps[PYG] = stock(
             data, cfg.model.cutoff, max(1, round(per_batch)), pyg_molecules
         )
-        progress(reference)
+        print(f"{PYG}: cold {reference['cold_molecules_per_s']:.0f} molecules/s", file=sys.stderr)
         warm = common.measure_side_by_side(
             steps, common.Timing(warmup=0, steps=1, repeats=WARM_EPOCHS)
         )

@@ -77,10 +77,11 @@ def variants(padded: tuple[str, ...], compile: bool, table: bool, replicas: int)
             ]
     if replicas > 1:
         name = f"packed radius+tuple {replicas} replicas"
+        compiled = COMPILED if compile else ""
         rows += [
-            (name + suffix + (COMPILED if compile else ""), "radius", "tuple", compile, filter_,
-             replicas) for filter_, suffix in filters.items()
-        ]  # fmt: skip
+            (name + suffix + compiled, "radius", "tuple", compile, filter_, replicas)
+            for filter_, suffix in filters.items()
+        ]
     return rows
 
 
