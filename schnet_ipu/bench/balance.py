@@ -116,13 +116,13 @@ def time_jobs(rank: int, jobs: list[dict], size: ModelConfig, epochs: int) -> li
         run_epoch(model, optim, batches, rr, rank)  # warm-up
         cost = calibrate(model, optim, store, job["index"], size.cutoff, rank)
         balanced = balance_batches(cost.predict(atoms, edges), REPLICAS, seed=0)
-        records = []
-        for _ in range(epochs):
-            records.append(("round_robin", rr, run_epoch(model, optim, batches, rr, rank)))
-            records.append(
-                ("cost_model", balanced, run_epoch(model, optim, batches, balanced, rank))
-            )
-        results += summarise(job, records, cost, atoms, edges)
+        schedules = {"round_robin": rr, "cost_model": balanced}
+        timed: dict[str, list[dict]] = {name: [] for name in schedules}
+        for _ in range(epochs):  # the schedules alternate
+            for name, schedule in schedules.items():
+                timed[name].append(run_epoch(model, optim, batches, schedule, rank))
+        for name, schedule in schedules.items():
+            results.append(summarise(job, name, schedule, timed[name], cost, atoms, edges))
     return results
 
 
@@ -149,34 +149,26 @@ def gather(compute: np.ndarray) -> np.ndarray:
     return torch.stack(parts, dim=1).numpy()
 
 
-def summarise(job: dict, records: list, cost, atoms: np.ndarray, edges: np.ndarray) -> list:
-    """Rows for round-robin and cost-model epochs (medians over epochs)."""
-    predicted = cost.predict(atoms, edges)
-    rows = []
-    for schedule_name in ("round_robin", "cost_model"):
-        stragglers, walls, measured_all, predicted_all = [], [], [], []
-        for name, schedule, result in records:
-            if name != schedule_name:
-                continue
-            measured = gather(result["compute"])  # [steps, R]
-            stragglers.append(float((measured.max(1) / measured.mean(1)).mean()))
-            walls.append(result["wall"])
-            real = schedule >= 0
-            measured_all.append(measured[real])
-            costs = step_costs(schedule, predicted)
-            predicted_all.append(costs[real])
-        fit = r_squared(np.concatenate(predicted_all), np.concatenate(measured_all))
-        rows.append({
-            "label": f"{job['dataset']}/{job['batching']}/{schedule_name}",
-            "dataset": job["dataset"], "batching": job["batching"], "schedule": schedule_name,
-            "straggler": statistics.median(stragglers),
-            "predicted_straggler": float((costs.max(1) / costs.mean(1)).mean()),
-            "epoch_s": statistics.median(walls), "steps": len(schedule), "batches": len(atoms),
-            "r2_fit": cost.r2, "r2_predict": fit, "per_atom_us": 1e6 * cost.per_atom,
-            "per_edge_us": 1e6 * cost.per_edge, "constant_ms": 1e3 * cost.constant,
-            "epochs": len(walls),
-        })  # fmt: skip
-    return rows
+def summarise(
+    job: dict, name: str, schedule: np.ndarray, epochs: list[dict], cost, atoms, edges
+) -> dict:
+    """The row of one schedule [steps, R] (medians over its ``epochs``)."""
+    measured = [gather(epoch["compute"]) for epoch in epochs]  # each [steps, R]
+    costs = step_costs(schedule, cost.predict(atoms, edges))  # [steps, R]
+    real = schedule >= 0
+    fit = r_squared(
+        np.concatenate([costs[real]] * len(measured)), np.concatenate([m[real] for m in measured])
+    )
+    return {
+        "label": f"{job['dataset']}/{job['batching']}/{name}",
+        "dataset": job["dataset"], "batching": job["batching"], "schedule": name,
+        "straggler": statistics.median(float((m.max(1) / m.mean(1)).mean()) for m in measured),
+        "predicted_straggler": float((costs.max(1) / costs.mean(1)).mean()),
+        "epoch_s": statistics.median(epoch["wall"] for epoch in epochs), "steps": len(schedule),
+        "batches": len(atoms), "r2_fit": cost.r2, "r2_predict": fit,
+        "per_atom_us": 1e6 * cost.per_atom, "per_edge_us": 1e6 * cost.per_edge,
+        "constant_ms": 1e3 * cost.constant, "epochs": len(epochs),
+    }  # fmt: skip
 
 
 def run(

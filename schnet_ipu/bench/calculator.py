@@ -11,6 +11,7 @@ forces (+ stress) call; MD steps per second through ASE's velocity Verlet (1 fs)
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import tempfile
 import time
@@ -39,6 +40,7 @@ PLOT = ("name", "ms_per_call", "ms per energy + forces (+ stress) call")
 MOLECULE_ELEMENTS = [1, 6, 7, 8]
 CELL_ELEMENTS = [1, 8, 29]
 QUICK = {"quick": True}
+FORCES = ("energy", "forces")  # what a calculator call computes
 WARM_UP = 3  # rounds left out: TorchScript's profiling executor optimises on the first calls
 
 
@@ -128,17 +130,13 @@ def interleaved_latency(calls: dict[str, Callable], atoms: Atoms, rounds: int) -
     return {name: 1000 * rate.step_seconds for name, rate in rates.items()}
 
 
-def export_call(module: torch.jit.ScriptModule, atoms: Atoms) -> Callable:
+def call_exported(module: torch.jit.ScriptModule, atoms: Atoms) -> None:
     """One call of the exported file as an engine makes it: torch's default thread count."""
-
-    def call(moved: Atoms) -> None:
-        z, pos = torch.as_tensor(moved.numbers), torch.as_tensor(moved.positions)
-        if moved.pbc.any():
-            module(z, pos, torch.as_tensor(moved.cell.array), torch.as_tensor(moved.pbc))
-        else:
-            module(z, pos)
-
-    return call
+    z, pos = torch.as_tensor(atoms.numbers), torch.as_tensor(atoms.positions)
+    if atoms.pbc.any():
+        module(z, pos, torch.as_tensor(atoms.cell.array), torch.as_tensor(atoms.pbc))
+    else:
+        module(z, pos)
 
 
 def cases(quick: bool) -> list[tuple[str, str, Atoms]]:
@@ -171,10 +169,8 @@ def run(quick: bool = False, structures: list | None = None) -> dict:
             calls = {}
             for dtype in ("float32", "float64"):
                 calc = calcs[model, dtype]
-                calls[f"calculator {dtype}"] = lambda a, c=calc: c.calculate(
-                    a, ("energy", "forces")
-                )
-                calls[f"exported {dtype}"] = export_call(modules[model, dtype], atoms)
+                calls[f"calculator {dtype}"] = functools.partial(calc.calculate, properties=FORCES)
+                calls[f"exported {dtype}"] = functools.partial(call_exported, modules[model, dtype])
             rounds = max(3, min(20, 2000 // len(atoms))) if not quick else 3
             latency = interleaved_latency(calls, atoms, rounds)
             load = os.getloadavg()[0]

@@ -98,7 +98,8 @@ def run_sides(jobs: list[dict], parallel: int) -> list[dict]:
         wave = jobs[start : start + parallel]
         with ProcessPoolExecutor(len(wave), multiprocessing.get_context("spawn")) as sides:
             done = list(sides.map(_side, wave))
-        rows += [{**row, "load_1min": os.getloadavg()[0]} for row in done]
+        load = os.getloadavg()[0]
+        rows += [{**row, "load_1min": load} for row in done]
     return rows
 
 

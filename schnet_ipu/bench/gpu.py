@@ -11,6 +11,7 @@ the top kernels per step of every variant of ours.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import sys
@@ -103,23 +104,19 @@ def time_rounds(epochs: dict[str, Epoch], rounds: int, device: str) -> dict[str,
     """A warm-up epoch of each variant, then ``rounds`` rounds of one epoch of each in turn
     (the common timer); per variant the median epoch seconds, its counts and peak memory."""
     cuda = device.startswith("cuda")
-    last: dict[str, dict] = {}
-    peak = dict.fromkeys(epochs, 0)
+    last = {name: {"peak": 0} for name in epochs}  # each variant's last epoch
 
-    def timed(name: str) -> Callable[[], int]:
-        def step() -> int:
-            if cuda:
-                torch.cuda.reset_peak_memory_stats(device)
-            last[name] = epochs[name]()
-            if cuda:  # the epoch's end, and the next one's start, once the GPU is done
-                torch.cuda.synchronize(device)
-                peak[name] = max(peak[name], torch.cuda.max_memory_allocated(device))
-            print(f"{name}: an epoch done", file=sys.stderr, flush=True)
-            return last[name]["molecules"]
+    def step(name: str) -> int:
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        last[name] = {**epochs[name](), "peak": last[name]["peak"]}
+        if cuda:  # the epoch's end, and the next one's start, once the GPU is done
+            torch.cuda.synchronize(device)
+            last[name]["peak"] = max(last[name]["peak"], torch.cuda.max_memory_allocated(device))
+        print(f"{name}: an epoch done", file=sys.stderr, flush=True)
+        return last[name]["molecules"]
 
-        return step
-
-    steps = {name: timed(name) for name in epochs}
+    steps = {name: functools.partial(step, name) for name in epochs}
     rates = common.measure_side_by_side(steps, common.Timing(warmup=1, steps=1, repeats=rounds))
     results = {}
     for name, rate in rates.items():
@@ -129,7 +126,7 @@ def time_rounds(epochs: dict[str, Epoch], rounds: int, device: str) -> dict[str,
             "molecules_per_s": counts["molecules"] / median,
             "molecules_per_step": counts["molecules"] / counts["steps"],
             "steps_per_epoch": counts["steps"],
-            "peak_memory_mb": peak[name] / 2**20 if cuda else None,
+            "peak_memory_mb": counts["peak"] / 2**20 if cuda else None,
             "data_fraction": counts["data_seconds"] / median if "data_seconds" in counts else None,
             "train_loss_last_epoch": counts.get("loss"),
             "compiled_graphs_after_warmup": counts.get("recompiles"),
