@@ -121,7 +121,7 @@ def our_trainer(
 def qm9_and_water(
     store: str | Path, sample: int, water_clusters: int, water_sizes: tuple[int, int]
 ) -> Iterator[dict[str, tuple[Path, np.ndarray]]]:
-    """The data sets of the batching, balance and dense suites, name -> (store path, molecule
+    """The data sets of the batching and balance suites, name -> (store path, molecule
     indices): a fixed random ``sample`` of the QM9 store and a temporary synthetic water store
     of ``water_clusters`` clusters of ``water_sizes`` molecules."""
     count = len(MoleculeStore(store))
