@@ -18,8 +18,7 @@ from pathlib import Path
 
 import torch
 
-from schnet_ipu.bench import pyg
-from schnet_ipu.bench.common import PAPER_CONFIG, curve_plot, new_report, ratio, train_for
+from schnet_ipu.bench import common, pyg
 from schnet_ipu.config import load_config
 from schnet_ipu.pipeline import PreparedData, prepare_data
 
@@ -77,7 +76,9 @@ def stock_pyg(data: PreparedData, model_cfg, minutes: float) -> dict:
 
 
 def ours(cfg_overrides: list[str], minutes: float, run_dir: Path) -> dict:
-    final, epochs = train_for(load_config(PAPER_CONFIG, cfg_overrides), minutes, run_dir)
+    final, epochs = common.train_for(
+        load_config(common.PAPER_CONFIG, cfg_overrides), minutes, run_dir
+    )
     return {
         "name": "ours (configs/qm9.yaml)",
         "test_mae": final["test_mae"],
@@ -100,16 +101,16 @@ def run(
     shared = [f"data.path={store}", f"data.subset={subset}", *overrides]
     with tempfile.TemporaryDirectory() as folder:
         mine = ours(shared, minutes, Path(folder) / "run")
-        cfg = load_config(PAPER_CONFIG, shared)
+        cfg = load_config(common.PAPER_CONFIG, shared)
         stock = stock_pyg(prepare_data(cfg), cfg.model, minutes)
     rows = [mine, stock]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    curve_plot(rows, ["validation MAE (eV)"], out / "accuracy_vs_time.png")
-    ratios = {"test_mae_ours_over_pyg": ratio(mine["test_mae"], stock["test_mae"])}
+    common.curve_plot(rows, ["validation MAE (eV)"], out / "accuracy_vs_time.png")
+    ratios = {"test_mae_ours_over_pyg": common.ratio(mine["test_mae"], stock["test_mae"])}
     notes = [
         f"{minutes} min each, one after the other; threads {torch.get_num_threads()}",
         "curves: validation MAE against seconds of training (ours: the budget's count)",
         f"accuracy_vs_time.png in {out}",
     ]
-    return new_report("accuracy", rows, ratios, notes)
+    return common.new_report("accuracy", rows, ratios, notes)

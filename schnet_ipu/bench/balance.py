@@ -11,7 +11,6 @@ mean over steps of slowest / mean replica fwd+bwd (``predicted_``: by the cost m
 from __future__ import annotations
 
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -23,14 +22,13 @@ from schnet_ipu.backends import init_replica
 from schnet_ipu.backends.distributed import broadcast_parameters, merged_allreduce
 from schnet_ipu.batch import Batch
 from schnet_ipu.batch_layout import Layout
-from schnet_ipu.bench.common import QM9_STORE, new_report
+from schnet_ipu.bench import common
+from schnet_ipu.bench.batching import collate_groups, epoch_batches
 from schnet_ipu.bench.replicas import Replicas
 from schnet_ipu.config import BackendConfig, ModelConfig
-from schnet_ipu.data import MoleculeStore, generate_water, make_split, radius_pairs
-from schnet_ipu.epoch_schedule import PackedDataset
+from schnet_ipu.data import MoleculeStore, radius_pairs
 from schnet_ipu.feed_arrays import FeedArrays
 from schnet_ipu.model import SchNet
-from schnet_ipu.packing import assign_packs, plan_packing
 from schnet_ipu.packing.balance import (
     balance_batches,
     fit_cost_model,
@@ -38,7 +36,6 @@ from schnet_ipu.packing.balance import (
     round_robin,
     step_costs,
 )
-from schnet_ipu.packing.baselines import run_baseline
 from schnet_ipu.task import masked_mse
 
 COLUMNS = ["dataset", "batching", "schedule", "straggler", "predicted_straggler", "epoch_s",
@@ -52,31 +49,19 @@ QUICK = {"sample": 800, "water_clusters": 300, "water_sizes": (3, 20), "epochs":
 def build_batches(
     store: MoleculeStore, index: np.ndarray, batching: str, batch: int, cutoff: float
 ) -> list[Batch]:
-    """One epoch of collated batches (every molecule of ``index`` once), seed 0."""
-    nodes = store.num_atoms[index]
-    pairs = radius_pairs(store, cutoff)
+    """One epoch of collated batches (every molecule of ``index`` once), seed 0: the batching
+    suite's tuple packs, or its dynamic batches each at its own shape."""
+    nodes, pairs = store.num_atoms[index], radius_pairs(store, cutoff)
     edges = 2 * pairs.counts[index]
-    targets = np.zeros(len(store))
-    any_plan = plan_packing(nodes, None, "pad_to_max")  # collate never reads it
+    algorithm = "tuple" if batching == "packs" else "dynamic"
+    groups = epoch_batches(algorithm, nodes, edges, batch, cutoff)[0]
     if batching == "dynamic":
-        result = run_baseline("dynamic", nodes, edges, batch, seed=0)
-        groups = [([b], int(nodes[b].sum()), int(edges[b].sum()), len(b)) for b in result.batches]
-        layouts = [Layout(1, n, g + 1, max(e, 2), cutoff) for _, n, e, g in groups]
-        packs = [p for p, *_ in groups]
-    else:
-        plan = plan_packing(nodes, edges, "tuple")
-        all_packs = assign_packs(plan, nodes, edges, 0, 0)
-        per = max(1, round(batch * plan.num_packs / len(nodes)))
-        layout = Layout(per, plan.max_nodes, plan.max_graphs, plan.max_edges, cutoff)
-        packs = [all_packs[i : i + per] for i in range(0, len(all_packs), per)]
-        layouts = [layout] * len(packs)
-    arrays = FeedArrays.from_store(store, targets, pairs)  # once, shared by every batch
-    return [
-        PackedDataset(store, index, targets, any_plan, layout, 0, arrays=arrays).collate(
-            [index[p] for p in group]
-        )
-        for group, layout in zip(packs, layouts)
-    ]
+        groups = [
+            ([b], Layout(1, int(nodes[b].sum()), len(b) + 1, max(int(edges[b].sum()), 2), cutoff))
+            for (b,), _ in groups
+        ]
+    arrays = FeedArrays.from_store(store, np.zeros(len(store)), pairs)  # shared by every batch
+    return collate_groups(store, index, groups, arrays)
 
 
 def shape_counts(batches: list[Batch]) -> tuple[np.ndarray, np.ndarray]:
@@ -131,13 +116,13 @@ def time_jobs(rank: int, jobs: list[dict], size: ModelConfig, epochs: int) -> li
         run_epoch(model, optim, batches, rr, rank)  # warm-up
         cost = calibrate(model, optim, store, job["index"], size.cutoff, rank)
         balanced = balance_batches(cost.predict(atoms, edges), REPLICAS, seed=0)
-        records = []
-        for _ in range(epochs):
-            records.append(("round_robin", rr, run_epoch(model, optim, batches, rr, rank)))
-            records.append(
-                ("cost_model", balanced, run_epoch(model, optim, batches, balanced, rank))
-            )
-        results += summarise(job, records, cost, atoms, edges)
+        schedules = {"round_robin": rr, "cost_model": balanced}
+        timed: dict[str, list[dict]] = {name: [] for name in schedules}
+        for _ in range(epochs):  # the schedules alternate
+            for name, schedule in schedules.items():
+                timed[name].append(run_epoch(model, optim, batches, schedule, rank))
+        for name, schedule in schedules.items():
+            results.append(summarise(job, name, schedule, timed[name], cost, atoms, edges))
     return results
 
 
@@ -164,54 +149,40 @@ def gather(compute: np.ndarray) -> np.ndarray:
     return torch.stack(parts, dim=1).numpy()
 
 
-def summarise(job: dict, records: list, cost, atoms: np.ndarray, edges: np.ndarray) -> list:
-    """Rows for round-robin and cost-model epochs (medians over epochs)."""
-    predicted = cost.predict(atoms, edges)
-    rows = []
-    for schedule_name in ("round_robin", "cost_model"):
-        stragglers, walls, measured_all, predicted_all = [], [], [], []
-        for name, schedule, result in records:
-            if name != schedule_name:
-                continue
-            measured = gather(result["compute"])  # [steps, R]
-            stragglers.append(float((measured.max(1) / measured.mean(1)).mean()))
-            walls.append(result["wall"])
-            real = schedule >= 0
-            measured_all.append(measured[real])
-            costs = step_costs(schedule, predicted)
-            predicted_all.append(costs[real])
-        fit = r_squared(np.concatenate(predicted_all), np.concatenate(measured_all))
-        rows.append({
-            "label": f"{job['dataset']}/{job['batching']}/{schedule_name}",
-            "dataset": job["dataset"], "batching": job["batching"], "schedule": schedule_name,
-            "straggler": statistics.median(stragglers),
-            "predicted_straggler": float((costs.max(1) / costs.mean(1)).mean()),
-            "epoch_s": statistics.median(walls), "steps": len(schedule), "batches": len(atoms),
-            "r2_fit": cost.r2, "r2_predict": fit, "per_atom_us": 1e6 * cost.per_atom,
-            "per_edge_us": 1e6 * cost.per_edge, "constant_ms": 1e3 * cost.constant,
-            "epochs": len(walls),
-        })  # fmt: skip
-    return rows
+def summarise(
+    job: dict, name: str, schedule: np.ndarray, epochs: list[dict], cost, atoms, edges
+) -> dict:
+    """The row of one schedule [steps, R] (medians over its ``epochs``)."""
+    measured = [gather(epoch["compute"]) for epoch in epochs]  # each [steps, R]
+    costs = step_costs(schedule, cost.predict(atoms, edges))  # [steps, R]
+    real = schedule >= 0
+    fit = r_squared(
+        np.concatenate([costs[real]] * len(measured)), np.concatenate([m[real] for m in measured])
+    )
+    return {
+        "label": f"{job['dataset']}/{job['batching']}/{name}",
+        "dataset": job["dataset"], "batching": job["batching"], "schedule": name,
+        "straggler": statistics.median(float((m.max(1) / m.mean(1)).mean()) for m in measured),
+        "predicted_straggler": float((costs.max(1) / costs.mean(1)).mean()),
+        "epoch_s": statistics.median(epoch["wall"] for epoch in epochs), "steps": len(schedule),
+        "batches": len(atoms), "r2_fit": cost.r2, "r2_predict": fit,
+        "per_atom_us": 1e6 * cost.per_atom, "per_edge_us": 1e6 * cost.per_edge,
+        "constant_ms": 1e3 * cost.constant, "epochs": len(epochs),
+    }  # fmt: skip
 
 
 def run(
-    store: str | Path = QM9_STORE, sample: int = 4000, water_clusters: int = 600,
+    store: str | Path = common.QM9_STORE, sample: int = 4000, water_clusters: int = 600,
     water_sizes: tuple[int, int] = (3, 30), batch: int = 32, epochs: int = 3,
     size: ModelConfig | None = None,
 ) -> dict:  # fmt: skip
     """QM9 (a fixed random sample) and synthetic water, dynamic batches and packs."""
     size = size or ModelConfig()
-    qm9 = MoleculeStore(store)
-    qm9_index = make_split(len(qm9), 0, 0, seed=0, subset=min(sample, len(qm9)))["train"]
-    with tempfile.TemporaryDirectory() as tmp:
-        water_path = generate_water(Path(tmp) / "water.h5", water_clusters, water_sizes)
+    with common.qm9_and_water(store, sample, water_clusters, water_sizes) as datasets:
         jobs = [
             {"dataset": name, "store": str(path), "index": index, "batching": batching,
              "batch": batch}
-            for name, path, index in (
-                ("qm9", store, qm9_index), ("water", water_path, np.arange(water_clusters))
-            )
-            for batching in ("dynamic", "packs")
+            for name, (path, index) in datasets.items() for batching in ("dynamic", "packs")
         ]  # fmt: skip
         with Replicas(REPLICAS, replica_setup, jobs, size, epochs) as group:
             results = group.call("run")[0]
@@ -226,7 +197,7 @@ def run(
     notes = [
         f"{REPLICAS} CPU replicas (1 thread each, gloo all-reduce per step), SchNet "
         f"{size.hidden_channels}x{size.num_interactions}, radius {size.cutoff}, about {batch} "
-        f"molecules per batch; QM9 {len(qm9_index)} molecules, water {water_clusters} "
+        f"molecules per batch; QM9 {len(jobs[0]['index'])} molecules, water {water_clusters} "
         f"clusters of {water_sizes[0]}-{water_sizes[1]}; {epochs} epochs per schedule; medians.",
     ]
-    return new_report("balance", results, ratios, notes)
+    return common.new_report("balance", results, ratios, notes)

@@ -8,7 +8,7 @@ on real batches of the most frequent shapes, weighted into an epoch estimate.
 
 from __future__ import annotations
 
-import tempfile
+import itertools
 from collections import Counter
 from pathlib import Path
 
@@ -17,12 +17,13 @@ import torch
 
 from schnet_ipu.batch import Batch
 from schnet_ipu.batch_layout import Layout
-from schnet_ipu.bench.common import QM9_STORE, Timing, measure_side_by_side, new_report
+from schnet_ipu.bench import common
 from schnet_ipu.config import ModelConfig
-from schnet_ipu.data import MoleculeStore, edge_counts, generate_water, make_split
+from schnet_ipu.data import MoleculeStore, edge_counts
 from schnet_ipu.epoch_schedule import PackedDataset
+from schnet_ipu.feed_arrays import FeedArrays
 from schnet_ipu.model import SchNet
-from schnet_ipu.packing import PackPlan, assign_packs, plan_packing
+from schnet_ipu.packing import assign_packs, plan_packing
 from schnet_ipu.packing.baselines import BASELINES, run_baseline
 from schnet_ipu.task import masked_mse
 
@@ -70,6 +71,24 @@ def even_max(edges: np.ndarray, packs: list[np.ndarray]) -> int:
     return int(max(edges[p].sum() for p in packs)) or 2
 
 
+def collate_groups(
+    store: MoleculeStore,
+    index: np.ndarray,
+    groups: list[tuple[list[np.ndarray], Layout]],
+    arrays: FeedArrays | None = None,
+) -> list[Batch]:
+    """Each (packs of positions in ``index``, layout) as a batch by the loader's collate
+    (``arrays``: the store's feed arrays, read from the store when None)."""
+    any_plan = plan_packing(store.num_atoms[index], None, "pad_to_max")  # collate never reads it
+    targets = np.zeros(len(store))
+    return [
+        PackedDataset(store, index, targets, any_plan, layout, 0, arrays=arrays).collate(
+            [index[p] for p in packs]
+        )
+        for packs, layout in groups
+    ]
+
+
 def shape_of(layout: Layout) -> tuple[int, int, int]:
     """Atoms, directed edges and molecule slots of a batch of ``layout``."""
     b = layout.packs_per_batch
@@ -104,50 +123,47 @@ def bench_dataset(
     """
     nodes = store.num_atoms[index]
     edges = edge_counts(store, size.cutoff)[index]
-    targets = np.zeros(len(store))
     torch.manual_seed(0)
     model = SchNet(
         size.hidden_channels, size.num_filters, size.num_interactions, size.num_gaussians,
         size.cutoff, graph="radius", pair_symmetric=True,
     )  # fmt: skip
-    any_plan: PackPlan = plan_packing(nodes, None, "pad_to_max")  # collate never reads it
-    rows, probes = [], []  # probes: (row, shape, batch)
-    for batch_size in batch_sizes:
-        for algorithm in (*PACKERS, *BASELINES):
-            batches, node_eff, edge_eff = epoch_batches(
-                algorithm, nodes, edges, batch_size, size.cutoff
-            )
-            shapes = Counter(shape_of(layout) for _, layout in batches)
-            row = {
-                "label": f"{name}/{algorithm}/{batch_size}",
+    rows, shapes, probes = [], {}, {}  # probes: (label, shape) -> (packs, layout)
+    for batch_size, algorithm in itertools.product(batch_sizes, (*PACKERS, *BASELINES)):
+        batches, node_eff, edge_eff = epoch_batches(
+            algorithm, nodes, edges, batch_size, size.cutoff
+        )
+        label = f"{name}/{algorithm}/{batch_size}"
+        shapes[label] = Counter(shape_of(layout) for _, layout in batches)
+        rows.append(
+            {
+                "label": label,
                 "dataset": name,
                 "algorithm": algorithm,
                 "batch": batch_size,
                 "node_efficiency": node_eff,
                 "edge_efficiency": edge_eff,
-                "distinct_shapes": len(shapes),
+                "distinct_shapes": len(shapes[label]),
                 "batches": len(batches),
-                "shape_counts": shapes,
             }
-            rows.append(row)
-            wanted = {shape for shape, _ in shapes.most_common(max_shapes)}
-            for packs, layout in batches:
-                shape = shape_of(layout)
-                if shape in wanted:
-                    wanted.discard(shape)
-                    dataset = PackedDataset(store, index, targets, any_plan, layout, 0)
-                    probes.append((row, shape, dataset.collate([index[p] for p in packs])))
-    steps = {str(i): fwd_bwd(model, batch) for i, (_, _, batch) in enumerate(probes)}
-    rates = measure_side_by_side(steps, Timing(warmup=1, steps=1, repeats=repeats))
+        )
+        wanted = {shape for shape, _ in shapes[label].most_common(max_shapes)}
+        for packs, layout in batches:  # the first batch of each wanted shape
+            if shape_of(layout) in wanted:
+                wanted.discard(shape_of(layout))
+                probes[label, shape_of(layout)] = (packs, layout)
+    batches = collate_groups(store, index, list(probes.values()))
+    steps = {str(key): fwd_bwd(model, batch) for key, batch in zip(probes, batches)}
+    rates = common.measure_side_by_side(steps, common.Timing(warmup=1, steps=1, repeats=repeats))
     for row in rows:
-        shapes = row.pop("shape_counts")
+        counts = shapes[row["label"]]
         timed = {
-            shape: rates[str(i)].step_seconds
-            for i, (owner, shape, _) in enumerate(probes)
-            if owner is row
+            shape: rates[str((label, shape))].step_seconds
+            for label, shape in probes
+            if label == row["label"]
         }
-        covered = sum(shapes[s] for s in timed)
-        mean_step = sum(timed[s] * shapes[s] for s in timed) / covered
+        covered = sum(counts[s] for s in timed)
+        mean_step = sum(timed[s] * counts[s] for s in timed) / covered
         row.update(
             step_ms=1000 * mean_step,
             molecules_per_s=len(index) / (mean_step * row["batches"]),
@@ -158,23 +174,17 @@ def bench_dataset(
 
 
 def run(
-    store: str | Path = QM9_STORE, sample: int = 5000, water_clusters: int = 300,
+    store: str | Path = common.QM9_STORE, sample: int = 5000, water_clusters: int = 300,
     water_sizes: tuple[int, int] = (3, 20), size: ModelConfig | None = None,
     batch_sizes: tuple[int, ...] = (16, 32, 64), max_shapes: int = 6, repeats: int = 3,
 ) -> dict:  # fmt: skip
     """QM9 (a fixed random sample) and a temporary synthetic water store, side by side."""
     size = size or ModelConfig()
-    qm9 = MoleculeStore(store)
-    sample = min(sample, len(qm9))
-    qm9_index = make_split(len(qm9), 0, 0, seed=0, subset=sample)["train"]
-    results = bench_dataset("qm9", qm9, qm9_index, size, batch_sizes, max_shapes, repeats)
-    with tempfile.TemporaryDirectory() as tmp:
-        water = MoleculeStore(generate_water(Path(tmp) / "water.h5", water_clusters, water_sizes))
-        water_index = np.arange(len(water))
-        results += bench_dataset(
-            "water", water, water_index, size, batch_sizes, max_shapes, repeats
-        )
-        water.close()
+    results = []
+    with common.qm9_and_water(store, sample, water_clusters, water_sizes) as datasets:
+        for name, (path, index) in datasets.items():
+            molecules = MoleculeStore(path)
+            results += bench_dataset(name, molecules, index, size, batch_sizes, max_shapes, repeats)
     best = {}
     for dataset in ("qm9", "water"):
         rows = [r for r in results if r["dataset"] == dataset]
@@ -185,11 +195,11 @@ def run(
             best[f"{dataset}_{batch}_tuple_vs_pad_to_max"] = rate["tuple"] / rate["pad_to_max"]
             best[f"{dataset}_{batch}_lpfhp_vs_dynamic"] = rate["lpfhp"] / rate["dynamic"]
     notes = [
-        f"QM9: {len(qm9_index)} molecules (fixed sample); water: {water_clusters} clusters of "
-        f"{water_sizes[0]}-{water_sizes[1]}; batch = molecules per batch.",
+        f"QM9: {len(datasets['qm9'][1])} molecules (fixed sample); water: {water_clusters} "
+        f"clusters of {water_sizes[0]}-{water_sizes[1]}; batch = molecules per batch.",
         f"step_ms: fwd+bwd of SchNet {size.hidden_channels}x{size.num_interactions} (radius "
         f"{size.cutoff}) on a real batch of the {max_shapes} most frequent shapes, median of "
         f"{repeats} rounds, weighted by shape frequency (timed_coverage: the share covered); "
         "lpfhp's edge room is its fullest pack's; distinct_shapes = static-shape compiles.",
     ]
-    return new_report("batching", results, best, notes)
+    return common.new_report("batching", results, best, notes)

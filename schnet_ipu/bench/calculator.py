@@ -11,6 +11,7 @@ forces (+ stress) call; MD steps per second through ASE's velocity Verlet (1 fs)
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import tempfile
 import time
@@ -25,7 +26,7 @@ from ase.md.velocitydistribution import MaxwellBoltzmannDistribution
 from ase.md.verlet import VelocityVerlet
 from ase.units import fs
 
-from schnet_ipu.bench.common import PAPER_CONFIG, ROOT, Timing, measure_side_by_side, new_report
+from schnet_ipu.bench import common
 from schnet_ipu.calculator import SchNetCalculator
 from schnet_ipu.checkpoint import save_checkpoint
 from schnet_ipu.config import load_config
@@ -33,12 +34,13 @@ from schnet_ipu.inference import ONE_THREAD_ATOMS, export_model
 from schnet_ipu.model_file import ModelSpec
 from schnet_ipu.task import EnergyTask, TargetTransform
 
-METAL_CONFIG = ROOT / "configs/emt_bulk.yaml"
+METAL_CONFIG = common.ROOT / "configs/emt_bulk.yaml"
 COLUMNS = ["name", "structure", "atoms", "dtype", "ms_per_call", "md_steps_per_s", "load_avg"]
 PLOT = ("name", "ms_per_call", "ms per energy + forces (+ stress) call")
 MOLECULE_ELEMENTS = [1, 6, 7, 8]
 CELL_ELEMENTS = [1, 8, 29]
 QUICK = {"quick": True}
+FORCES = ("energy", "forces")  # what a calculator call computes
 WARM_UP = 3  # rounds left out: TorchScript's profiling executor optimises on the first calls
 
 
@@ -122,21 +124,19 @@ def interleaved_latency(calls: dict[str, Callable], atoms: Atoms, rounds: int) -
         return lambda: call(next(frames)) or 1
 
     steps = {name: step(call) for name, call in calls.items()}
-    rates = measure_side_by_side(steps, Timing(warmup=WARM_UP, steps=1, repeats=rounds))
+    rates = common.measure_side_by_side(
+        steps, common.Timing(warmup=WARM_UP, steps=1, repeats=rounds)
+    )
     return {name: 1000 * rate.step_seconds for name, rate in rates.items()}
 
 
-def export_call(module: torch.jit.ScriptModule, atoms: Atoms) -> Callable:
+def call_exported(module: torch.jit.ScriptModule, atoms: Atoms) -> None:
     """One call of the exported file as an engine makes it: torch's default thread count."""
-
-    def call(moved: Atoms) -> None:
-        z, pos = torch.as_tensor(moved.numbers), torch.as_tensor(moved.positions)
-        if moved.pbc.any():
-            module(z, pos, torch.as_tensor(moved.cell.array), torch.as_tensor(moved.pbc))
-        else:
-            module(z, pos)
-
-    return call
+    z, pos = torch.as_tensor(atoms.numbers), torch.as_tensor(atoms.positions)
+    if atoms.pbc.any():
+        module(z, pos, torch.as_tensor(atoms.cell.array), torch.as_tensor(atoms.pbc))
+    else:
+        module(z, pos)
 
 
 def cases(quick: bool) -> list[tuple[str, str, Atoms]]:
@@ -154,7 +154,7 @@ def run(quick: bool = False, structures: list | None = None) -> dict:
     results = []
     with tempfile.TemporaryDirectory() as folder:
         paths = {
-            "paper": model_file(Path(folder), PAPER_CONFIG, MOLECULE_ELEMENTS),
+            "paper": model_file(Path(folder), common.PAPER_CONFIG, MOLECULE_ELEMENTS),
             "metal": model_file(Path(folder), METAL_CONFIG, CELL_ELEMENTS),
         }
         calcs, modules = {}, {}
@@ -169,10 +169,8 @@ def run(quick: bool = False, structures: list | None = None) -> dict:
             calls = {}
             for dtype in ("float32", "float64"):
                 calc = calcs[model, dtype]
-                calls[f"calculator {dtype}"] = lambda a, c=calc: c.calculate(
-                    a, ("energy", "forces")
-                )
-                calls[f"exported {dtype}"] = export_call(modules[model, dtype], atoms)
+                calls[f"calculator {dtype}"] = functools.partial(calc.calculate, properties=FORCES)
+                calls[f"exported {dtype}"] = functools.partial(call_exported, modules[model, dtype])
             rounds = max(3, min(20, 2000 // len(atoms))) if not quick else 3
             latency = interleaved_latency(calls, atoms, rounds)
             load = os.getloadavg()[0]
@@ -192,4 +190,4 @@ def run(quick: bool = False, structures: list | None = None) -> dict:
         "exported file on torch's default count (as an engine calls it); load_avg: 1-minute "
         "load after the row's rounds",
     ]
-    return new_report("calculator", results, {}, notes)
+    return common.new_report("calculator", results, {}, notes)

@@ -16,8 +16,9 @@ import os
 import platform
 import statistics
 import subprocess
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ import torch
 from schnet_ipu import components
 from schnet_ipu.backends import init_replica
 from schnet_ipu.config import Config, ModelConfig, apply_override, validate
+from schnet_ipu.data import MoleculeStore, generate_water, make_split
 from schnet_ipu.loader import PackedLoader
 from schnet_ipu.pipeline import PreparedData, make_loader, prepare_data
 
@@ -92,43 +94,47 @@ def ratio(a: float, b: float) -> float | None:
 # --- our trainer on a sample of a store -----------------------------------------------------
 
 
-def bench_config(store: str | Path, sample: int, size: ModelConfig, overrides: list[str]) -> Config:
-    """A validated config on a fixed random ``sample`` of the store's training molecules.
-
-    ``data.subset`` draws the sample (with small val/test shares the split needs); the
-    split file beside the store makes it the same molecules for every variant.
-    """
+def our_trainer(
+    store: str | Path, sample: int, size: ModelConfig, overrides: list[str],
+    batch_molecules: float, replicas: int = 1,
+) -> tuple[Config, PreparedData, PackedLoader, Any]:  # fmt: skip
+    """The trainer's own setup (model, fused Adam, standardised loss) of ``size`` on a fixed
+    random ``sample`` of the store's training molecules (``data.subset`` draws it, the split
+    file beside the store keeps it the same for every variant): config, data, this replica's
+    training loader and the backend. ``replicas`` > 1: this process is one of R data-parallel
+    replicas (it joins their group here) training about ``batch_molecules / R`` molecules per
+    optimiser step, so that the replicas together take about ``batch_molecules``."""
     cfg = Config(model=replace(size))  # the model under test; overrides pick its graph
-    base = [f"data.path={store}", f"data.subset={round(sample / 0.9)}", "data.val=0.05",
-            "data.test=0.05", "optim.grad_clip=0", "backend.device=cpu",
-            "logging.progress=false"]  # fmt: skip
-    for item in [*base, *overrides]:
+    for item in [f"data.path={store}", f"data.subset={round(sample / 0.9)}", "data.val=0.05",
+                 "data.test=0.05", "optim.grad_clip=0", "backend.device=cpu",
+                 "logging.progress=false", *overrides, f"backend.replicas={replicas}"]:  # fmt: skip
         apply_override(cfg, item)
     validate(cfg)
-    return cfg
+    replica = init_replica(cfg.backend, "cpu")
+    data = prepare_data(cfg)
+    cfg.packing.packs_per_batch = packs_for(data, batch_molecules / replicas)
+    loader = make_loader(cfg, data, "train", replica.rank, replica.world_size)
+    return cfg, data, loader, components.make_trainer(cfg, data, replica)[2]
+
+
+@contextlib.contextmanager
+def qm9_and_water(
+    store: str | Path, sample: int, water_clusters: int, water_sizes: tuple[int, int]
+) -> Iterator[dict[str, tuple[Path, np.ndarray]]]:
+    """The data sets of the batching and balance suites, name -> (store path, molecule
+    indices): a fixed random ``sample`` of the QM9 store and a temporary synthetic water store
+    of ``water_clusters`` clusters of ``water_sizes`` molecules."""
+    count = len(MoleculeStore(store))
+    qm9_index = make_split(count, 0, 0, seed=0, subset=min(sample, count))["train"]
+    with tempfile.TemporaryDirectory() as tmp:
+        water = generate_water(Path(tmp) / "water.h5", water_clusters, water_sizes)
+        yield {"qm9": (Path(store), qm9_index), "water": (water, np.arange(water_clusters))}
 
 
 def packs_for(data: PreparedData, molecules_per_batch: float) -> int:
     """Packs per batch giving about ``molecules_per_batch`` molecules per step."""
     per_pack = len(data.split["train"]) / data.train_plan.num_packs
     return max(1, round(molecules_per_batch / per_pack))
-
-
-def our_trainer(
-    store: str | Path, sample: int, size: ModelConfig, overrides: list[str],
-    batch_molecules: float, replicas: int = 1,
-) -> tuple[Config, PreparedData, PackedLoader, Any]:  # fmt: skip
-    """The trainer's own setup (model, fused Adam, standardised loss) on a sample of
-    ``store``: config, data, this replica's training loader and the backend. ``replicas`` >
-    1: this process is one of R data-parallel replicas (it joins their group here) training
-    about ``batch_molecules / R`` molecules per optimiser step, so that the replicas together
-    take about ``batch_molecules``."""
-    cfg = bench_config(store, sample, size, [*overrides, f"backend.replicas={replicas}"])
-    replica = init_replica(cfg.backend, "cpu")
-    data = prepare_data(cfg)
-    cfg.packing.packs_per_batch = packs_for(data, batch_molecules / replicas)
-    loader = make_loader(cfg, data, "train", replica.rank, replica.world_size)
-    return cfg, data, loader, components.make_trainer(cfg, data, replica)[2]
 
 
 def training_step(loader: PackedLoader, backend) -> Callable[[], int]:

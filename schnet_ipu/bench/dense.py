@@ -10,14 +10,7 @@ from pathlib import Path
 
 import torch
 
-from schnet_ipu.bench.common import (
-    QM9_STORE,
-    Timing,
-    measure_side_by_side,
-    new_report,
-    our_trainer,
-    training_step,
-)
+from schnet_ipu.bench import common
 from schnet_ipu.config import ModelConfig
 from schnet_ipu.data import generate_water
 from schnet_ipu.model.dense import dense_graph, pair_efficiency
@@ -29,12 +22,12 @@ COLUMNS = ["dataset", "graph", "message_passing", "molecules_per_s", "step_ms", 
            "dense_vs_sparse"]  # fmt: skip
 PLOT = ("label", "molecules_per_s", "training molecules/s")
 QUICK = {"sample": 600, "water_clusters": 150, "water_sizes": (3, 10),
-         "timing": Timing(warmup=1, steps=4, repeats=3)}  # fmt: skip
+         "timing": common.Timing(warmup=1, steps=4, repeats=3)}  # fmt: skip
 
 
 def variant(store: str, sample: int, size: ModelConfig, overrides: list[str], batch: int):
     """Row facts, the training step and the pair efficiencies of one configuration."""
-    cfg, data, loader, backend = our_trainer(
+    cfg, data, loader, backend = common.our_trainer(
         store, sample, size, [*overrides, "loader.workers=0"], batch
     )
     for index in data.split["train"].tolist():  # in memory before timing
@@ -59,18 +52,18 @@ def variant(store: str, sample: int, size: ModelConfig, overrides: list[str], ba
         "real_pairs": int(mask.sum()),
         "largest_molecule": largest,
     }
-    return row, training_step(loader, backend)
+    return row, common.training_step(loader, backend)
 
 
 def run(
-    store: str | Path = QM9_STORE, sample: int = 2000, water_clusters: int = 400,
+    store: str | Path = common.QM9_STORE, sample: int = 2000, water_clusters: int = 400,
     water_sizes: tuple[int, int] = (3, 20), batch_molecules: int = 32,
-    size: ModelConfig | None = None, timing: Timing | None = None,
+    size: ModelConfig | None = None, timing: common.Timing | None = None,
 ) -> dict:  # fmt: skip
     """QM9 (a fixed random sample) and a temporary synthetic water store; every data set,
     graph and layout timed side by side."""
     size = size or ModelConfig()
-    timing = timing or Timing(warmup=2, steps=6, repeats=3)
+    timing = timing or common.Timing(warmup=2, steps=6, repeats=3)
     rows, steps = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         water = generate_water(Path(tmp) / "water.h5", water_clusters, water_sizes)
@@ -93,7 +86,7 @@ def run(
                     row["label"] = f"{dataset}/{graph}/{layout}"
                     rows.append(row)
                     steps[row["label"]] = step
-        rates = measure_side_by_side(steps, timing)
+        rates = common.measure_side_by_side(steps, timing)
     for row in rows:
         rate = rates[row["label"]]
         row.update(molecules_per_s=rate.molecules_per_s, step_ms=1000 * rate.step_seconds)
@@ -111,4 +104,4 @@ def run(
         "pair_efficiency: real pairs / computed (sparse: edge slots; dense: B M^2); "
         "per_molecule_block_efficiency: real pairs / (molecules x S^2), S the largest molecule.",
     ]
-    return new_report("dense", rows, ratios, notes)
+    return common.new_report("dense", rows, ratios, notes)

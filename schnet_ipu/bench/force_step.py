@@ -16,12 +16,12 @@ from pathlib import Path
 import torch
 
 from schnet_ipu.backends.distributed import ReplicaInfo
-from schnet_ipu.bench.common import ROOT, Timing, measure_side_by_side, new_report
+from schnet_ipu.bench import common
 from schnet_ipu.components import make_trainer
 from schnet_ipu.config import load_config
 from schnet_ipu.pipeline import make_loader, prepare_data
 
-DEFAULT_CONFIG = ROOT / "configs/emt_forces.yaml"
+DEFAULT_CONFIG = common.ROOT / "configs/emt_forces.yaml"
 # name -> (forces_weight, op flavour, model.filter, backend.compile); force steps are not
 # compiled (AOTAutograd refuses a double backward)
 VARIANTS = {
@@ -61,7 +61,9 @@ def run(
         backend = make_trainer(variant, data, ReplicaInfo(), "cpu")[2]
         calls = itertools.cycle(batches)
         timer_steps[name] = lambda b=backend, calls=calls: len(b.train_call(next(calls)))
-    rates = measure_side_by_side(timer_steps, Timing(warmup=1, steps=steps, repeats=rounds))
+    rates = common.measure_side_by_side(
+        timer_steps, common.Timing(warmup=1, steps=steps, repeats=rounds)
+    )
     median = {name: 1000 * rate.step_seconds for name, rate in rates.items()}
     to_energy = {name: median[name] / median["energy"] for name in VARIANTS}
     table_speedup = {kind: median[kind] / median[f"{kind}_table"] for kind in ("energy", "forces")}
@@ -72,7 +74,7 @@ def run(
         f"first {steps} host calls of the training loader, a warm-up call, then {rounds} "
         "rounds of every variant in turn; medians.",
     ]
-    report = new_report("force_step", rows, ratios, notes)
+    report = common.new_report("force_step", rows, ratios, notes)
     report.update(  # the keys of docs/benchmarks/forces-step-cpu.json
         threads=torch.get_num_threads(), step_ms=median, ratio_to_energy=to_energy,
         table_speedup=table_speedup, atoms_per_batch=int(batches[0][0].node_mask.sum()),

@@ -16,20 +16,20 @@ wave; ``forces_vs_time.png`` draws the validation curves. schnetpack is a bench-
 from __future__ import annotations
 
 import importlib.util
-import json
 import multiprocessing
 import os
 import tempfile
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
-from schnet_ipu.bench.common import ROOT, curve_plot, new_report, ratio, train_for
+from schnet_ipu.bench import common
 from schnet_ipu.config import Config, load_config
 from schnet_ipu.errors import UserError
 from schnet_ipu.pipeline import PreparedData, prepare_data
 
-DEFAULT_CONFIG = ROOT / "configs/emt_forces.yaml"
+DEFAULT_CONFIG = common.ROOT / "configs/emt_forces.yaml"
 OURS = "ours"
 COLUMNS = ["name", "minutes", "structures_per_s", "test_energy_mae_meV_per_atom",
            "test_energy_mae_eV", "test_force_mae", "structures_seen", "epochs",
@@ -37,18 +37,6 @@ COLUMNS = ["name", "minutes", "structures_per_s", "test_energy_mae_meV_per_atom"
 PLOT = ("name", "test_force_mae", "test force MAE after equal wall time (eV/A)")
 QUICK = {"minutes": 0.25}
 FORCES_PLOT = ["validation force MAE (eV/A)", "validation energy MAE (eV)"]
-
-
-class MissingExtra(UserError):
-    """The bench-only extra (schnetpack) is not installed."""
-
-
-def require_schnetpack() -> None:
-    if importlib.util.find_spec("schnetpack") is None:
-        raise MissingExtra(
-            "bench forces needs schnetpack 2.1.1, a bench-only extra: pip install -e .[bench] "
-            "(see pyproject.toml)"
-        )
 
 
 def force_config(path: str | Path, overrides: list[str]) -> Config:
@@ -79,7 +67,7 @@ def write_split(data: PreparedData, path: Path) -> None:
 
 def train_ours(cfg: Config, minutes: float, run_dir: Path, name: str = OURS) -> dict:
     """Our trainer on ``cfg`` for ``minutes``: a result row with the validation curve."""
-    final, epochs = train_for(cfg, minutes, run_dir)
+    final, epochs = common.train_for(cfg, minutes, run_dir)
     seen = sum(r["molecules_per_s"] * r["epoch_seconds"] for r in epochs)
     return {
         "name": name,
@@ -92,37 +80,26 @@ def train_ours(cfg: Config, minutes: float, run_dir: Path, name: str = OURS) -> 
     }
 
 
-def _side(job: dict, out: str) -> None:
-    """One side in its own process; its row goes to ``out`` as JSON."""
-    if job["side"] == "schnetpack":
-        from schnet_ipu.bench.schnetpack_side import train_schnetpack
+def _side(job: dict) -> dict:
+    """One side in its own process: its row."""
+    if job["side"] == OURS:
+        return train_ours(job["cfg"], job["minutes"], Path(job["run_dir"]), job["name"])
+    from schnet_ipu.bench.schnetpack_side import train_schnetpack
 
-        os.chdir(Path(job["database"]).parent)  # its data module locks splitting.lock in "."
-        row = train_schnetpack(job["model"], job["database"], job["split"], job["minutes"])
-    else:
-        row = train_ours(job["cfg"], job["minutes"], Path(job["run_dir"]), job["name"])
-    Path(out).write_text(json.dumps(row))
+    os.chdir(Path(job["database"]).parent)  # its data module locks splitting.lock in "."
+    return train_schnetpack(job["model"], job["database"], job["split"], job["minutes"])
 
 
-def run_sides(jobs: list[dict], parallel: int, folder: Path) -> list[dict]:
-    """``jobs`` as spawned processes, ``parallel`` at a time; their rows in order, each with
-    the 1-minute load average at the end of its wave."""
-    context = multiprocessing.get_context("spawn")
+def run_sides(jobs: list[dict], parallel: int) -> list[dict]:
+    """``jobs`` in fresh spawned processes, ``parallel`` at a time; their rows in order, each
+    with the 1-minute load average at the end of its wave."""
     rows = []
     for start in range(0, len(jobs), parallel):
-        wave = []
-        for k, job in enumerate(jobs[start : start + parallel], start):
-            out = folder / f"row{k}.json"
-            process = context.Process(target=_side, args=(job, str(out)), name=job["name"])
-            process.start()
-            wave.append((job, process, out))
-        for job, process, _ in wave:
-            process.join()
-            if process.exitcode != 0:
-                raise RuntimeError(f"bench forces: side {job['name']!r} exited {process.exitcode}")
+        wave = jobs[start : start + parallel]
+        with ProcessPoolExecutor(len(wave), multiprocessing.get_context("spawn")) as sides:
+            done = list(sides.map(_side, wave))
         load = os.getloadavg()[0]
-        for _, _, out in wave:
-            rows.append({**json.loads(out.read_text()), "load_1min": load})
+        rows += [{**row, "load_1min": load} for row in done]
     return rows
 
 
@@ -150,7 +127,11 @@ def run(
     out_dir: str | Path = "bench_results",
 ) -> dict:  # fmt: skip
     """Both sides for ``minutes`` on ``config``'s frames (the config names the data)."""
-    require_schnetpack()
+    if importlib.util.find_spec("schnetpack") is None:
+        raise UserError(
+            "bench forces needs schnetpack 2.1.1, a bench-only extra: pip install -e .[bench] "
+            "(see pyproject.toml)"
+        )
     cfg = force_config(config, list(overrides or []))
     data = prepare_data(cfg)  # the store and its split, before the sides read them
     with tempfile.TemporaryDirectory() as tmp:
@@ -172,15 +153,17 @@ def run(
                 {"side": OURS, "name": f"ours: {name}", "cfg": variant, "minutes": minutes,
                  "run_dir": str(folder / f"variant{k}")}
             )  # fmt: skip
-        rows = [with_units(row, minutes) for row in run_sides(jobs, parallel, folder)]
+        rows = [with_units(row, minutes) for row in run_sides(jobs, parallel)]
     stock, mine = rows[0], rows[1]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    curve_plot(rows, FORCES_PLOT, out / "forces_vs_time.png")
+    common.curve_plot(rows, FORCES_PLOT, out / "forces_vs_time.png")
     ratios = {
-        "force_mae_ours_over_schnetpack": ratio(mine["test_force_mae"], stock["test_force_mae"]),
-        "energy_mae_ours_over_schnetpack": ratio(mine["test_mae"], stock["test_mae"]),
-        "throughput_ours_over_schnetpack": ratio(
+        "force_mae_ours_over_schnetpack": common.ratio(
+            mine["test_force_mae"], stock["test_force_mae"]
+        ),
+        "energy_mae_ours_over_schnetpack": common.ratio(mine["test_mae"], stock["test_mae"]),
+        "throughput_ours_over_schnetpack": common.ratio(
             mine["structures_per_s"], stock["structures_per_s"]
         ),
     }
@@ -194,4 +177,4 @@ def run(
         f"{cfg.optim.forces_weight}, ema_decay {cfg.optim.ema_decay}; schnetpack: "
         f"{stock['recipe']}; errors: best-validation weights on the test split",
     ]
-    return new_report("forces", rows, ratios, notes)
+    return common.new_report("forces", rows, ratios, notes)

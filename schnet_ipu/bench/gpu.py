@@ -11,6 +11,8 @@ the top kernels per step of every variant of ours.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 import sys
 import time
@@ -21,25 +23,8 @@ import torch
 
 from schnet_ipu import components
 from schnet_ipu.backends import ReplicaInfo
-from schnet_ipu.bench import pyg
-from schnet_ipu.bench.common import (
-    PAPER_CONFIG,
-    QM9_STORE,
-    Timing,
-    measure_side_by_side,
-    new_report,
-    packs_for,
-    ratio,
-)
-from schnet_ipu.components import make_task
-from schnet_ipu.config import (
-    Config,
-    ConfigError,
-    apply_override,
-    config_from_dict,
-    load_config,
-    validate,
-)
+from schnet_ipu.bench import common, pyg
+from schnet_ipu.config import Config, ConfigError, load_config
 from schnet_ipu.evaluation import evaluate
 from schnet_ipu.loader import PackedLoader
 from schnet_ipu.pipeline import PreparedData, make_loader, prepare_data
@@ -63,45 +48,33 @@ COLUMNS = ["name", "epoch_seconds", "molecules_per_s", "molecules_per_step", "st
            "recompilations", "compiled_graphs_after_warmup", "val_mae"]  # fmt: skip
 PLOT = ("name", "epoch_seconds", "seconds per QM9 training epoch")
 
-Epoch = Callable[[int], dict]  # round -> {"molecules", "steps", and optional extras}
+Epoch = Callable[[], dict]  # the next epoch (the first: the warm-up) -> its counts
 
 
 def paper_config(store: str | Path, device: str, subset: int, overrides: list[str]) -> Config:
-    """configs/qm9.yaml on ``store``; ``subset`` > 0: that many molecules, 10% val and test."""
-    base = [f"data.path={store}", f"backend.device={device}", "logging.progress=false"]
-    # the variants start from the paper's arithmetic as PyG computes it, in one process
-    base += ["model.filter=exact", "backend.compile=false", "backend.replicas=1"]
-    base += ["optim.max_minutes=0", "optim.ema_decay=0"]
+    """configs/qm9.yaml on ``store`` from the paper's arithmetic as PyG computes it, in one
+    process; ``subset`` > 0: that many molecules, 10% val and test. A key the config does
+    not know raises ConfigError."""
+    base = [f"data.path={store}", f"backend.device={device}", "logging.progress=false",
+            "model.filter=exact", "backend.compile=false", "backend.replicas=1",
+            "optim.max_minutes=0", "optim.ema_decay=0"]  # fmt: skip
     if subset:
         base += [f"data.subset={subset}", "data.val=0.1", "data.test=0.1"]
-    return load_config(PAPER_CONFIG, [*base, *overrides])
-
-
-def variant_config(cfg: Config, precision: str, graphs: bool, overrides: list[str] = ()) -> Config:
-    """A copy of ``cfg`` with this variant's precision, CUDA-graph setting and overrides (a
-    key this config does not know raises ConfigError)."""
-    copy = config_from_dict(cfg.to_dict())
-    apply_override(copy, f"backend.precision={precision}")
-    apply_override(copy, f"backend.cuda_graphs={'true' if graphs else 'false'}")
-    for override in overrides:
-        apply_override(copy, override)
-    validate(copy)
-    return copy
+    return load_config(common.PAPER_CONFIG, [*base, *overrides])
 
 
 def ours(
     cfg: Config, data: PreparedData, loader: PackedLoader, device: str
 ) -> tuple[Epoch, object]:
-    """Our trainer (model, fused Adam, backend) and an epoch function over ``loader`` (the
-    same batches for every variant); the step losses stay on the device until the epoch's
-    end."""
+    """Our trainer (model, fused Adam, backend) and its epochs over ``loader`` (the same
+    batches for every variant); the step losses stay on the device until the epoch's end."""
     backend = components.make_trainer(cfg, data, ReplicaInfo(), device)[2]
+    rounds = itertools.count()
     warm_graphs: list[int] = []  # dynamo graphs compiled by the end of the warm-up epoch
 
-    def epoch(round_: int) -> dict:
-        losses, molecules, steps = [], 0, 0
-        data_seconds = 0.0
-        calls = iter(loader.epoch(round_))
+    def epoch() -> dict:
+        losses, molecules, data_seconds = [], 0, 0.0
+        calls = iter(loader.epoch(next(rounds)))
         while True:
             tick = time.perf_counter()
             call = next(calls, None)
@@ -111,11 +84,10 @@ def ours(
             for record in backend.train_call(call):
                 losses.append(record["loss"])
                 molecules += record["molecules"]
-                steps += 1
-        loss = float(torch.stack(losses).mean())  # the epoch's one synchronisation
-        if round_ == 0:
+        if not warm_graphs:
             warm_graphs.append(backend.compiled_graphs)
-        return {"molecules": molecules, "steps": steps, "data_seconds": data_seconds, "loss": loss,
+        return {"molecules": molecules, "steps": len(losses), "data_seconds": data_seconds,
+                "loss": float(torch.stack(losses).mean()),  # the epoch's one synchronisation
                 "recompiles": backend.compiled_graphs - warm_graphs[0]}  # fmt: skip
 
     return epoch, backend
@@ -125,51 +97,36 @@ def stock_pyg(data: PreparedData, cfg: Config, batch_size: int, device: str, ite
     """Stock PyG SchNet (the throughput suite's) for one epoch of ``batch_size`` batches."""
     step = pyg.training_step(data, cfg.model, batch_size, device, items)
     steps = math.ceil(len(items) / batch_size)
-
-    def epoch(round_: int) -> dict:
-        return {"molecules": sum(step() for _ in range(steps)), "steps": steps}
-
-    return epoch
+    return lambda: {"molecules": sum(step() for _ in range(steps)), "steps": steps}
 
 
 def time_rounds(epochs: dict[str, Epoch], rounds: int, device: str) -> dict[str, dict]:
-    """An untimed warm-up epoch of each variant, then ``rounds`` rounds of one timed epoch of
-    each in turn (the common timer); per variant the median epoch seconds, its counts and
-    peak memory."""
+    """A warm-up epoch of each variant, then ``rounds`` rounds of one epoch of each in turn
+    (the common timer); per variant the median epoch seconds, its counts and peak memory."""
     cuda = device.startswith("cuda")
-    last: dict[str, dict] = {}
-    peak: dict[str, int] = dict.fromkeys(epochs, 0)
+    last = {name: {"peak": 0} for name in epochs}  # each variant's last epoch
 
-    def timed(name: str, epoch: Epoch) -> Callable[[], int]:
-        rounds_done = iter(range(1_000_000))
+    def step(name: str) -> int:
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        last[name] = {**epochs[name](), "peak": last[name]["peak"]}
+        if cuda:  # the epoch's end, and the next one's start, once the GPU is done
+            torch.cuda.synchronize(device)
+            last[name]["peak"] = max(last[name]["peak"], torch.cuda.max_memory_allocated(device))
+        print(f"{name}: an epoch done", file=sys.stderr, flush=True)
+        return last[name]["molecules"]
 
-        def step() -> int:
-            round_ = next(rounds_done)  # 0: the warm-up epoch
-            if cuda:
-                torch.cuda.reset_peak_memory_stats(device)
-            last[name] = epoch(round_)
-            if cuda:  # the epoch's end, and the next one's start, once the GPU is done
-                torch.cuda.synchronize(device)
-                peak[name] = max(peak[name], torch.cuda.max_memory_allocated(device))
-            print(f"round {round_} {name} done", file=sys.stderr, flush=True)
-            return last[name]["molecules"]
-
-        return step
-
-    steps = {name: timed(name, epoch) for name, epoch in epochs.items()}
-    if cuda:
-        torch.cuda.synchronize(device)
-    rates = measure_side_by_side(steps, Timing(warmup=1, steps=1, repeats=rounds))
+    steps = {name: functools.partial(step, name) for name in epochs}
+    rates = common.measure_side_by_side(steps, common.Timing(warmup=1, steps=1, repeats=rounds))
     results = {}
     for name, rate in rates.items():
-        counts = last[name]
-        median = rate.step_seconds
+        counts, median = last[name], rate.step_seconds
         results[name] = {
             "epoch_seconds": median, "epoch_seconds_all": rate.seconds,
             "molecules_per_s": counts["molecules"] / median,
             "molecules_per_step": counts["molecules"] / counts["steps"],
             "steps_per_epoch": counts["steps"],
-            "peak_memory_mb": peak[name] / 2**20 if cuda else None,
+            "peak_memory_mb": counts["peak"] / 2**20 if cuda else None,
             "data_fraction": counts["data_seconds"] / median if "data_seconds" in counts else None,
             "train_loss_last_epoch": counts.get("loss"),
             "compiled_graphs_after_warmup": counts.get("recompiles"),
@@ -178,10 +135,11 @@ def time_rounds(epochs: dict[str, Epoch], rounds: int, device: str) -> dict[str,
 
 
 def run(
-    store: str | Path = QM9_STORE, device: str = "cuda", subset: int = 0, rounds: int = 3,
-    pyg_batches: tuple[int, ...] = (32, 128, 512), precisions: tuple[str, ...] = PRECISIONS,
-    overrides: list[str] = (), molecules_per_step: int = 32,
-    variants: tuple[str, ...] = tuple(VARIANTS), profile: bool = False,
+    store: str | Path = common.QM9_STORE, device: str = "cuda", subset: int = 0,
+    rounds: int = 3, pyg_batches: tuple[int, ...] = (32, 128, 512),
+    precisions: tuple[str, ...] = PRECISIONS, overrides: list[str] = (),
+    molecules_per_step: int = 32, variants: tuple[str, ...] = tuple(VARIANTS),
+    profile: bool = False,
 ) -> dict:  # fmt: skip
     """Every variant side by side; ``ratio_vs_pyg_best``: PyG's fastest epoch over ours.
 
@@ -191,61 +149,91 @@ def run(
     each size in ``pyg_batches`` and of ``molecules_per_step``. ``profile``: a profiler table
     per variant of ours.
     """
-    pyg_batches = tuple(sorted({*pyg_batches, molecules_per_step}))
+    cuda = device.startswith("cuda")
     cfg = paper_config(store, device, subset, list(overrides))
     data = prepare_data(cfg)
-    cfg.packing.packs_per_batch = packs_for(data, molecules_per_step)
-    cuda = device.startswith("cuda")
-    loader = make_loader(cfg, data, "train", pin_memory=cuda, device=device)
-    epochs: dict[str, Epoch] = {}
-    backends: dict[str, object] = {}
-    configs: dict[str, Config] = {}
-    skipped: list[str] = []
-    for precision in precisions:
-        for graphs in (False, True) if cuda else (False,):
-            name = f"ours {precision}" + (" cuda graph" if graphs else " eager")
-            configs[name] = variant_config(cfg, precision, graphs)
+    packs = f"packing.packs_per_batch={common.packs_for(data, molecules_per_step)}"
+    setups, skipped = {}, []  # name -> (precision, CUDA graphs, overrides)
+    for precision, graphs in itertools.product(precisions, (False, True) if cuda else (False,)):
+        setups[f"ours {precision}" + (" cuda graph" if graphs else " eager")] = (
+            precision,
+            graphs,
+            [],
+        )
     for variant in variants:
         name = f"ours {VARIANT_PRECISION} {variant}" + (" cuda graph" if cuda else "")
         if variant in CUDA_ONLY and not cuda:
             skipped.append(f"{name}: the Triton kernels need CUDA tensors")
-            continue
+        else:
+            setups[name] = (VARIANT_PRECISION, cuda, VARIANTS[variant])
+    configs: dict[str, Config] = {}
+    for name, (precision, graphs, extra) in setups.items():
+        setting = [
+            packs,
+            f"backend.precision={precision}",
+            f"backend.cuda_graphs={str(graphs).lower()}",
+        ]
         try:
-            configs[name] = variant_config(cfg, VARIANT_PRECISION, cuda, VARIANTS[variant])
+            configs[name] = paper_config(store, device, subset, [*overrides, *setting, *extra])
         except ConfigError as error:  # e.g. a config without the tabulated filter
             skipped.append(f"{name}: {error}")
+    cfg = paper_config(store, device, subset, [*overrides, packs])
+    loader = make_loader(cfg, data, "train", pin_memory=cuda, device=device)
+    epochs, backends = {}, {}
     for name, variant_cfg in configs.items():
         epochs[name], backends[name] = ours(variant_cfg, data, loader, device)
     items = pyg.items(data)
-    for batch_size in pyg_batches:
+    for batch_size in sorted({*pyg_batches, molecules_per_step}):
         epochs[f"{PYG} batch {batch_size}"] = stock_pyg(data, cfg, batch_size, device, items)
-    measured = time_rounds(epochs, rounds, device)
+    rows = [{"name": name, **row} for name, row in time_rounds(epochs, rounds, device).items()]
     profiles = {n: profile_steps(b, loader, device) for n, b in backends.items() if profile}
-    rows = []
-    for name, row in measured.items():
-        row = {"name": name, **row}
-        if name in backends:
-            backend, variant = backends[name], configs[name]
-            val_loader = make_loader(variant, data, "val")
-            val = evaluate(make_task(variant, data), backend, val_loader, "val")
+    for row in rows:
+        if row["name"] in backends:
+            backend, variant = backends[row["name"]], configs[row["name"]]
+            val = evaluate(
+                components.make_task(variant, data),
+                backend,
+                make_loader(variant, data, "val"),
+                "val",
+            )
             row.update(precision=variant.backend.precision,
                        cuda_graph=variant.backend.cuda_graphs == "true",
                        compile=variant.backend.compile, ops=variant.model.ops,
                        graph_recaptures=max(backend.graph_captures - 1, 0),
                        recompilations=backend.recompilations, val_mae=val["mae"])  # fmt: skip
-        rows.append(row)
     seconds = {row["name"]: row["epoch_seconds"] for row in rows}
     best_ours = min((n for n in seconds if n.startswith("ours")), key=seconds.get)
     best_pyg = min((n for n in seconds if n.startswith(PYG)), key=seconds.get)
     for row in rows:
-        row["ratio_vs_pyg_best"] = ratio(seconds[best_pyg], row["epoch_seconds"])
+        row["ratio_vs_pyg_best"] = common.ratio(seconds[best_pyg], row["epoch_seconds"])
     ratios = {"best_ours": best_ours, "best_pyg": best_pyg,
-              "ratio_vs_pyg_best": ratio(seconds[best_pyg], seconds[best_ours]),
-              "ratio_vs_pyg_batch_32": ratio(seconds.get(f"{PYG} batch 32", math.nan),
-                                             seconds[best_ours])}  # fmt: skip
-    feed_device = str(loader.dataset.arrays.device)
-    report = new_report("gpu", rows, ratios, notes(cfg, data, rounds, device, subset, feed_device))
-    report["notes"] += [f"Skipped {line}" for line in skipped]
+              "ratio_vs_pyg_best": common.ratio(seconds[best_pyg], seconds[best_ours]),
+              "ratio_vs_pyg_batch_32": common.ratio(seconds.get(f"{PYG} batch 32", math.nan),
+                                                    seconds[best_ours])}  # fmt: skip
+    plan = data.train_plan
+    notes = [
+        f"{len(data.split['train'])} QM9 training molecules"
+        + (f" (a {subset}-molecule subset: NOT a full-epoch figure)" if subset else "")
+        + f", target {cfg.data.target}; SchNet {cfg.model.hidden_channels}/"
+        f"{cfg.model.num_interactions}/{cfg.model.num_gaussians}, cutoff {cfg.model.cutoff}; "
+        f"Adam lr {cfg.optim.lr}, constant.",
+        f"Ours: {cfg.packing.packs_per_batch} packs of {plan.max_nodes} atoms / "
+        f"{plan.max_edges} edges / {plan.max_graphs} molecules per step, "
+        f"{cfg.loader.workers} loader worker(s), batches assembled on "
+        f"{loader.dataset.arrays.device}; losses read once per epoch. PyG: its DataLoader, same "
+        f"loss, radius graph {pyg.RADIUS_BUILDER}.",
+        f"Timing: a warm-up epoch, then {rounds} round(s) of one epoch of each; medians. "
+        "data_fraction: share of the epoch waiting for the loader; val_mae after the timed "
+        "epochs; compiled_graphs_after_warmup: dynamo graphs compiled later (0: none); "
+        "graph_recaptures: CUDA-graph captures after the first.",
+        *(
+            []
+            if cuda
+            else [f"Run on {device}: CUDA-graph variants skipped; no GPU memory figures."]
+        ),
+        *(f"Skipped {line}" for line in skipped),
+    ]
+    report = common.new_report("gpu", rows, ratios, notes)
     if profiles:
         report["profiles"] = profiles
     report["device"] = {
@@ -263,51 +251,21 @@ def profile_steps(backend, loader: PackedLoader, device: str) -> dict:
 
     cuda = device.startswith("cuda")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    calls = loader.epoch(0)
     steps = 0
-    with profile(activities=activities) as profiler:
-        while steps < PROFILE_STEPS:
-            call = next(calls, None)
-            if call is None:
-                break
+    with profile(activities=activities) as prof:
+        for call in loader.epoch(0):
             steps += len(backend.train_call(call))
+            if steps >= PROFILE_STEPS:
+                break
         if cuda:
             torch.cuda.synchronize(device)
-
-    def self_us(event) -> float:  # microseconds of the event's own work, summed
-        return event.self_device_time_total if cuda else event.self_cpu_time_total
-
-    averages = profiler.key_averages()
     sort_by = "self_device_time_total" if cuda else "self_cpu_time_total"
+    averages = prof.key_averages()
     table = averages.table(sort_by=sort_by, row_limit=PROFILE_ROWS)
     print(f"profile, {steps} steps:\n{table}", file=sys.stderr, flush=True)
-    top = sorted(averages, key=self_us, reverse=True)[:PROFILE_ROWS]
+    top = sorted(averages, key=lambda e: getattr(e, sort_by), reverse=True)[:PROFILE_ROWS]
     per_step = [
-        {"name": e.key, "ms_per_step": self_us(e) / 1e3 / steps, "calls": e.count / steps}
+        {"name": e.key, "ms_per_step": getattr(e, sort_by) / 1e3 / steps, "calls": e.count / steps}
         for e in top
     ]
     return {"steps": steps, "table": table, "top_per_step": per_step}
-
-
-def notes(
-    cfg: Config, data: PreparedData, rounds: int, device: str, subset: int, feed_device: str
-) -> list[str]:
-    plan = data.train_plan
-    lines = [
-        f"{len(data.split['train'])} QM9 training molecules"
-        + (f" (a {subset}-molecule subset: NOT a full-epoch figure)" if subset else "")
-        + f", target {cfg.data.target}; SchNet {cfg.model.hidden_channels}/"
-        f"{cfg.model.num_interactions}/{cfg.model.num_gaussians}, cutoff {cfg.model.cutoff}; "
-        f"Adam lr {cfg.optim.lr}, constant.",
-        f"Ours: {cfg.packing.packs_per_batch} packs of {plan.max_nodes} atoms / "
-        f"{plan.max_edges} edges / {plan.max_graphs} molecules per step, "
-        f"{cfg.loader.workers} loader worker(s), batches assembled on {feed_device}; losses "
-        f"read once per epoch. PyG: its DataLoader, same loss, radius graph {pyg.RADIUS_BUILDER}.",
-        f"Timing: a warm-up epoch, then {rounds} round(s) of one epoch of each; medians. "
-        "data_fraction: share of the epoch waiting for the loader; val_mae after the timed "
-        "epochs; compiled_graphs_after_warmup: dynamo graphs compiled later (0: none); "
-        "graph_recaptures: CUDA-graph captures after the first.",
-    ]
-    if not device.startswith("cuda"):
-        lines.append(f"Run on {device}: CUDA-graph variants skipped; no GPU memory figures.")
-    return lines

@@ -6,25 +6,19 @@ edges per molecule as a transform). Imports are outside every row's timing.
 
 from __future__ import annotations
 
+import itertools
 import resource
 import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from schnet_ipu import compiled_feed
-from schnet_ipu.bench import pyg
-from schnet_ipu.bench.common import (
-    PAPER_CONFIG,
-    QM9_STORE,
-    Timing,
-    measure_side_by_side,
-    new_report,
-    ratio,
-)
+from schnet_ipu.bench import common, pyg
 from schnet_ipu.chunk import OutputBuffers
 from schnet_ipu.config import load_config
 from schnet_ipu.data import MoleculeStore, radius_edges
@@ -35,7 +29,7 @@ COLUMNS = ["name", "workers", "device", "cold_molecules_per_s", "warm_molecules_
            "vs_pyg_cold", "vs_pyg_warm", "molecules", "feed_state_mb", "rss_mb"]  # fmt: skip
 PLOT = ("name", "warm_molecules_per_s", "molecules/s (warm)")
 NO_GPU = " (no GPU here: the in-process program on the same CPU tensors)"
-CONFIG = PAPER_CONFIG
+CONFIG = common.PAPER_CONFIG
 WARM_EPOCHS = 5  # warm = the median epoch of these rounds (a shared machine is noisy)
 PYG = "stock PyG DataLoader"
 QUICK = {"extra": ("data.subset=20000", "data.val=1000", "data.test=1000"), "workers": (0, 1)}
@@ -47,23 +41,19 @@ def rss_mb() -> float:
     return pages * resource.getpagesize() / 2**20
 
 
-def synchronised(loader: PackedLoader) -> float:
-    """Now, once the work queued on the loader's device is done (CUDA runs asynchronously)."""
+def run_epoch(loader: PackedLoader, epoch: int) -> int:
+    """The loader's whole ``epoch``, the loader alone, until the work it queued on its device
+    is done (CUDA runs asynchronously); its molecules."""
+    molecules = sum(b.num_molecules for call in loader.epoch(epoch) for b in call)
     if loader.dataset.arrays.device.type == "cuda":
         torch.cuda.synchronize(loader.dataset.arrays.device)
-    return time.perf_counter()
+    return molecules
 
 
-def epochs(loader: PackedLoader):
-    """A timer step: the loader's next whole epoch, the loader alone; its molecules."""
-    counter = iter(range(1, 1_000_000))
-
-    def step() -> int:
-        molecules = sum(b.num_molecules for call in loader.epoch(next(counter)) for b in call)
-        synchronised(loader)
-        return molecules
-
-    return step
+def warm_epochs(loader: PackedLoader) -> Callable[[], int]:
+    """A timer step: the loader's next epoch (:func:`run_epoch`)."""
+    rounds = itertools.count(1)
+    return lambda: run_epoch(loader, next(rounds))
 
 
 def ours(
@@ -78,8 +68,8 @@ def ours(
     start = time.perf_counter()
     loader = make_loader(cfg, data, "train", device=device)
     loader.dataset.compiled = compiled
-    molecules = sum(b.num_molecules for call in loader.epoch(0) for b in call)
-    cold = synchronised(loader) - start
+    molecules = run_epoch(loader, 0)
+    cold = time.perf_counter() - start
     arrays = loader.dataset.arrays
     chunk = loader.chunk_batches * loader.dataset.layout.batch_bytes(arrays.forces is not None)
     # chunk memory: the buffers the loader keeps for reuse, else the chunks in flight at most
@@ -119,13 +109,8 @@ def stock(data: PreparedData, cutoff: float, batch_size: int, limit: int):
     return row, lambda: sum(batch.num_graphs for batch in loader)
 
 
-def progress(row: dict) -> None:
-    """One finished mode on stderr, so a long run shows where it is."""
-    print(f"{row['name']}: cold {row['cold_molecules_per_s']:.0f} molecules/s", file=sys.stderr)
-
-
 def run(
-    store: str | Path = QM9_STORE,
+    store: str | Path = common.QM9_STORE,
     extra: tuple[str, ...] = (),
     workers: tuple[int, ...] = (0, 1, 2),
     pyg_molecules: int = 10000,
@@ -147,20 +132,26 @@ def run(
         for name, count, where, compiled in [*modes, ("ours device-resident", 0, device, loop)]:
             row, loader = ours(cfg, data, name, count, where, pairs_s, compiled)
             rows.append(row)
-            steps[name] = epochs(loader)
-            progress(row)
+            steps[name] = warm_epochs(loader)
+            print(f"{name}: cold {row['cold_molecules_per_s']:.0f} molecules/s", file=sys.stderr)
         per_batch = rows[0]["molecules"] / (len(loader) or 1)
         reference, steps[PYG] = stock(
             data, cfg.model.cutoff, max(1, round(per_batch)), pyg_molecules
         )
-        progress(reference)
-        warm = measure_side_by_side(steps, Timing(warmup=0, steps=1, repeats=WARM_EPOCHS))
+        print(f"{PYG}: cold {reference['cold_molecules_per_s']:.0f} molecules/s", file=sys.stderr)
+        warm = common.measure_side_by_side(
+            steps, common.Timing(warmup=0, steps=1, repeats=WARM_EPOCHS)
+        )
         for row in [*rows, reference]:
             row["warm_molecules_per_s"] = warm[row["name"]].molecules_per_s
         del steps, loader
     for row in rows:
-        row["vs_pyg_cold"] = ratio(row["cold_molecules_per_s"], reference["cold_molecules_per_s"])
-        row["vs_pyg_warm"] = ratio(row["warm_molecules_per_s"], reference["warm_molecules_per_s"])
+        row["vs_pyg_cold"] = common.ratio(
+            row["cold_molecules_per_s"], reference["cold_molecules_per_s"]
+        )
+        row["vs_pyg_warm"] = common.ratio(
+            row["warm_molecules_per_s"], reference["warm_molecules_per_s"]
+        )
     default = next((r for r in rows if r["workers"] == load_config(CONFIG).loader.workers), rows[0])
     ratios = {
         "default_warm_molecules_per_s": default["warm_molecules_per_s"],
@@ -179,4 +170,4 @@ def run(
         f"{reference['molecules']} molecules, {max(1, round(per_batch))} per batch, radius "
         "edges as a transform; feed_state_mb: feed arrays + chunk memory.",
     ]
-    return new_report("loader", [*rows, reference], ratios, notes)
+    return common.new_report("loader", [*rows, reference], ratios, notes)

@@ -14,8 +14,7 @@ import torch
 from torch import Tensor
 
 from schnet_ipu.batch_layout import Layout
-from schnet_ipu.bench import pyg
-from schnet_ipu.bench.common import Timing, measure_side_by_side, new_report
+from schnet_ipu.bench import common, pyg
 from schnet_ipu.config import ModelConfig
 from schnet_ipu.data import MoleculeStore, edge_counts
 from schnet_ipu.epoch_schedule import PackedDataset
@@ -90,27 +89,22 @@ def run(
         args = (batch.z[real], batch.pos[real], batch.graph[real])
         steps[f"pyg {graph}"] = fwd_bwd(stock, args, molecules)
         edges[graph] = {"ours": edge_index.shape[1], "real": int(edge_mask.sum())}
-    rates = measure_side_by_side(steps, Timing(warmup=1, steps=1, repeats=repeats))
-    results = {
-        name: {
+    rates = common.measure_side_by_side(steps, common.Timing(warmup=1, steps=1, repeats=repeats))
+    rows, speedup = [], {}
+    for name, rate in rates.items():
+        row = {
+            "name": name,
             "ms_per_batch": 1000 * rate.step_seconds,
             "ms_min": 1000 * min(rate.seconds),
             "molecules_per_s": rate.molecules_per_s,
             "ms_all": [round(1000 * x, 1) for x in rate.seconds],
         }
-        for name, rate in rates.items()
-    }
-    speedup = {}
-    for key, suffix in (("ms_per_batch", ""), ("ms_min", "_min")):
-        speedup["speedup_vs_pyg" + suffix] = {
-            name: results[f"pyg {name.split()[1]}"][key] / r[key]
-            for name, r in results.items()
-            if name.startswith("ours")
-        }
-    rows = [
-        {"name": name, **r, **{key: speedup[key].get(name) for key in speedup}}
-        for name, r in results.items()
-    ]
+        if name.startswith("ours"):  # PyG's rows come after ours of the same graph
+            pyg_rate = rates[f"pyg {name.split()[1]}"]
+            row["speedup_vs_pyg"] = pyg_rate.step_seconds / rate.step_seconds
+            row["speedup_vs_pyg_min"] = min(pyg_rate.seconds) / min(rate.seconds)
+            speedup[name] = row["speedup_vs_pyg"]
+        rows.append(row)
     (knn_batch, _, _), (_, radius_packs, radius_plan) = knn, radius
     notes = [
         f"{molecules} QM9 molecules ({int(qm9.num_atoms[index].sum())} atoms), "
@@ -120,7 +114,7 @@ def run(
         f"{len(radius_packs)} packs of {radius_plan.max_nodes} atoms / {radius_plan.max_edges} "
         f"edges; edge slots (ours) / real edges (PyG): {edges}.",
     ]
-    return new_report("model", rows, speedup["speedup_vs_pyg"], notes)
+    return common.new_report("model", rows, speedup, notes)
 
 
 def fwd_bwd(model: torch.nn.Module, args: tuple, molecules: int):

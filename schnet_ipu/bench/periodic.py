@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from schnet_ipu.batch_layout import Layout
-from schnet_ipu.bench.common import Timing, measure_side_by_side, new_report
+from schnet_ipu.bench import common
 from schnet_ipu.data import MoleculeStore, edge_counts, write_store
 from schnet_ipu.data.periodic_pairs import build_periodic_pairs
 from schnet_ipu.epoch_schedule import PackedDataset
@@ -75,7 +75,7 @@ def neighbour_lists(pos: np.ndarray, cells: np.ndarray, rounds: int = 3) -> dict
         return len(frames)
 
     steps = {name: (lambda build=build: every_frame(build)) for name, build in builders.items()}
-    rates = measure_side_by_side(steps, Timing(warmup=0, steps=1, repeats=rounds))
+    rates = common.measure_side_by_side(steps, common.Timing(warmup=0, steps=1, repeats=rounds))
     return {name: rate.step_seconds / len(frames) for name, rate in rates.items()}
 
 
@@ -107,7 +107,9 @@ def step_times(store: MoleculeStore, steps: int, rounds: int = 5) -> dict[str, f
         return step
 
     steps = {"periodic": train(periodic), "molecular": train(molecular)}
-    rates = measure_side_by_side(steps, Timing(warmup=2, steps=len(periodic), repeats=rounds))
+    rates = common.measure_side_by_side(
+        steps, common.Timing(warmup=2, steps=len(periodic), repeats=rounds)
+    )
     return {name: 1000 * rate.step_seconds for name, rate in rates.items()}
 
 
@@ -151,6 +153,6 @@ def run(frames: int = 100_000, compare: int = 300, steps: int = 20, trained: int
     notes = [f"{frames} frames of 32 fcc Cu atoms, cutoff {CUTOFF} A; full lists of the first "
              f"{compare} frames, 3 rounds; energy + force steps (SchNet 64/64/3, one thread): "
              f"{steps} per round, 5 rounds."]  # fmt: skip
-    report = new_report("periodic", rows, ratios, notes)
+    report = common.new_report("periodic", rows, ratios, notes)
     report.update(facts)  # the keys of docs/benchmarks/periodic-cpu.json
     return report

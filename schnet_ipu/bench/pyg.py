@@ -9,6 +9,7 @@ timed step as PyG's own would be).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import numpy as np
@@ -81,11 +82,7 @@ def training_step(
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     scale = data.residual_std
 
-    def batches():
-        while True:
-            yield from loader
-
-    stream = batches()
+    stream = (batch for _ in itertools.count() for batch in loader)  # reshuffled each epoch
 
     def step() -> int:
         batch = next(stream).to(device)

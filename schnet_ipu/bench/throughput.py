@@ -4,20 +4,12 @@ PyG SchNet, the same model size, loss and molecules, about ``batch_molecules`` p
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
-from schnet_ipu.bench import pyg
-from schnet_ipu.bench.common import (
-    QM9_STORE,
-    Timing,
-    measure_side_by_side,
-    new_report,
-    our_trainer,
-    ratio,
-    training_step,
-)
+from schnet_ipu.bench import common, pyg
 from schnet_ipu.bench.replicas import Replicas
 from schnet_ipu.config import ModelConfig
 from schnet_ipu.pipeline import PreparedData
@@ -31,7 +23,11 @@ COLUMNS = ["name", "molecules_per_s", "step_ms", "molecules_per_step", "replicas
            "threads_per_replica", "atoms_per_step",
            "node_efficiency", "edge_efficiency", "graph"]  # fmt: skip
 PLOT = ("name", "molecules_per_s", "training molecules/s")
-QUICK = {"sample": 3000, "timing": Timing(warmup=2, steps=4, repeats=9), "padded": ("radius",)}
+QUICK = {
+    "sample": 3000,
+    "timing": common.Timing(warmup=2, steps=4, repeats=9),
+    "padded": ("radius",),
+}
 
 
 def ours(
@@ -40,7 +36,7 @@ def ours(
 ) -> tuple[dict, PreparedData, Callable[[], int]]:  # fmt: skip
     """One of our configurations (:func:`~schnet_ipu.bench.common.our_trainer`): its
     description, its data and its training step."""
-    cfg, data, loader, backend = our_trainer(
+    cfg, data, loader, backend = common.our_trainer(
         store, sample, size, overrides, batch_molecules, replicas
     )
     plan, packs = data.train_plan, cfg.packing.packs_per_batch
@@ -49,7 +45,7 @@ def ours(
            "max_nodes": plan.max_nodes, "max_edges": plan.max_edges,
            "max_graphs": plan.max_graphs, "node_efficiency": plan.node_efficiency,
            "edge_efficiency": plan.edge_efficiency, "workers": cfg.loader.workers}  # fmt: skip
-    return row, data, training_step(loader, backend)
+    return row, data, common.training_step(loader, backend)
 
 
 def replica_setup(rank: int, world: int, setups: dict[str, tuple]) -> tuple[dict, dict]:
@@ -61,28 +57,37 @@ def replica_setup(rank: int, world: int, setups: dict[str, tuple]) -> tuple[dict
     return facts, calls
 
 
-def variants(padded: tuple[str, ...], compile: bool, table: bool) -> list[tuple]:
-    """(name, graph, packing, compiled, filter) of every in-process variant of ours."""
-    filters = ("exact", "table") if table else ("exact",)
+def variants(padded: tuple[str, ...], compile: bool, table: bool, replicas: int) -> list[tuple]:
+    """(name, graph, packing, compiled, filter, replicas) of every variant of ours."""
+    filters = {"exact": ""} if not table else {"exact": "", "table": TABLE}
     rows = [
-        (name + ("" if filter_ == "exact" else TABLE), graph, packing, False, filter_)
-        for filter_ in filters
+        (name + suffix, graph, packing, False, filter_, 1)
+        for filter_, suffix in filters.items()
         for name, (graph, packing) in PACKED.items()
     ]
-    rows += [(f"pad_to_max {g}", g, "pad_to_max", False, "exact") for g in padded]
+    rows += [(f"pad_to_max {g}", g, "pad_to_max", False, "exact", 1) for g in padded]
     if compile:
         rows += [
-            ("packed radius+tuple" + COMPILED, "radius", "tuple", True, "exact"),
-            ("pad_to_max radius" + COMPILED, "radius", "pad_to_max", True, "exact"),
+            ("packed radius+tuple" + COMPILED, "radius", "tuple", True, "exact", 1),
+            ("pad_to_max radius" + COMPILED, "radius", "pad_to_max", True, "exact", 1),
         ]
         if table:
-            rows += [("packed radius+tuple" + TABLE + COMPILED, "radius", "tuple", True, "table")]
+            rows += [
+                ("packed radius+tuple" + TABLE + COMPILED, "radius", "tuple", True, "table", 1)
+            ]
+    if replicas > 1:
+        name = f"packed radius+tuple {replicas} replicas"
+        compiled = COMPILED if compile else ""
+        rows += [
+            (name + suffix + compiled, "radius", "tuple", compile, filter_, replicas)
+            for filter_, suffix in filters.items()
+        ]
     return rows
 
 
 def run(
-    store: str | Path = QM9_STORE, sample: int = 10000, size: ModelConfig | None = None,
-    timing: Timing | None = None, workers: int = 0, batch_molecules: int = 32,
+    store: str | Path = common.QM9_STORE, sample: int = 10000, size: ModelConfig | None = None,
+    timing: common.Timing | None = None, workers: int = 0, batch_molecules: int = 32,
     padded: tuple[str, ...] = ("radius", "knn"), compile: bool = True, replicas: int = 2,
     table: bool = True,
 ) -> dict:  # fmt: skip
@@ -92,7 +97,7 @@ def run(
     sharing the cores and ``batch_molecules``; ``table`` adds ``model.filter=table`` twins.
     Ratios: :func:`compare`."""
     size = size or ModelConfig()
-    timing = timing or Timing(warmup=5, steps=10, repeats=10)
+    timing = timing or common.Timing(warmup=5, steps=10, repeats=10)
     results: dict[str, dict] = {}
     steps: dict[str, Callable[[], int]] = {}
 
@@ -101,31 +106,27 @@ def run(
                 "model.pair_symmetric=true", f"loader.workers={workers}",
                 f"backend.compile={compiled}", f"model.filter={filter_}"]  # fmt: skip
 
-    data = None
-    for name, graph, packing, compiled, filter_ in variants(padded, compile, table):
+    data, replicated = None, {}
+    for name, graph, packing, compiled, filter_, count in variants(
+        padded, compile, table, replicas
+    ):
         setup = overrides(graph, packing, compiled, filter_)
+        if count > 1:  # in the replica group, once every in-process variant is set up
+            replicated[name] = (store, sample, size, setup, batch_molecules)
+            continue
         row, data, steps[name] = ours(store, sample, size, setup, batch_molecules)
         results[name] = {"name": name, "graph": graph, "packing": packing, **row}
     steps[PYG] = pyg.training_step(data, size, batch_molecules)
     results[PYG] = {"name": PYG, "graph": f"radius ({pyg.RADIUS_BUILDER})",
                     "packing": "PyG DataLoader", "workers": 0, "replicas": 1,
                     "threads_per_replica": torch.get_num_threads()}  # fmt: skip
-    replicated = {}
-    for filter_ in (("exact", "table") if table else ("exact",)) if replicas > 1 else ():
-        name = f"packed radius+tuple {replicas} replicas" + (TABLE if filter_ == "table" else "")
-        name += COMPILED if compile else ""
-        setup = overrides("radius", "tuple", compile, filter_)
-        replicated[name] = (store, sample, size, setup, batch_molecules)
-    group = Replicas(replicas, replica_setup, replicated) if replicated else None
-    try:
+    group = Replicas(replicas, replica_setup, replicated) if replicated else nullcontext()
+    with group:
         for name in replicated:
             steps[name] = group.step(name)
             results[name] = {"name": name, "graph": "radius", "packing": "tuple",
                              **group.facts[0][name]}  # fmt: skip
-        measured = measure_side_by_side(steps, timing)
-    finally:
-        if group is not None:
-            group.close()
+        measured = common.measure_side_by_side(steps, timing)
     for name, rate in measured.items():
         results[name].update(molecules_per_s=rate.molecules_per_s,
                              step_ms=1000 * rate.step_seconds,
@@ -138,12 +139,12 @@ def run(
         "1e-3 (ours fused, PyG torch's default), standardised MSE; both hold the molecules in "
         f"memory. SchNet {size.hidden_channels}/{size.num_interactions}/{size.num_gaussians}, "
         f"cutoff {size.cutoff}, knn k={size.k}; ours {workers} loader thread(s).",
-        f"Timing: {timing.warmup} warm-up steps, then {timing.repeats} rounds of "
+        f"common.Timing: {timing.warmup} warm-up steps, then {timing.repeats} rounds of "
         f"{timing.steps} steps of each variant in turn; medians (*_per_round: each round's).",
         f"Stock PyG radius graph: {pyg.RADIUS_BUILDER}. Replicas: R processes with 1/R of "
         "the threads, gradients summed through shared memory.",
     ]
-    return new_report("throughput", list(results.values()), ratios, notes)
+    return common.new_report("throughput", list(results.values()), ratios, notes)
 
 
 def compare(results: dict[str, dict]) -> dict:
@@ -161,13 +162,13 @@ def compare(results: dict[str, dict]) -> dict:
     reference = max(same_graph or padded_runs, key=rate.get)
     ratios = {
         "best_exact": max(exact, key=rate.get),
-        "best_exact_vs_pyg": ratio(max(rate[n] for n in exact), rate[PYG]),
+        "best_exact_vs_pyg": common.ratio(max(rate[n] for n in exact), rate[PYG]),
         "best_packed": best,
         "best_single_process": single,
         "padded_reference": reference,
-        "packed_vs_pyg": ratio(rate[best], rate[PYG]),
-        "single_process_vs_pyg": ratio(rate[single], rate[PYG]),
-        "packed_vs_padded": ratio(rate[single], rate[reference]),
+        "packed_vs_pyg": common.ratio(rate[best], rate[PYG]),
+        "single_process_vs_pyg": common.ratio(rate[single], rate[PYG]),
+        "packed_vs_padded": common.ratio(rate[single], rate[reference]),
     }
     rounds = {name: row["repeats_molecules_per_s"] for name, row in results.items()}
     for key, mine, other in (
@@ -178,8 +179,8 @@ def compare(results: dict[str, dict]) -> dict:
         ratios[f"{key}_per_round"] = [a / b for a, b in zip(rounds[mine], rounds[other])]
     for name in packed:
         key = name[len("packed ") :].replace("+", "_").replace(" ", "_")
-        ratios[f"{key}_vs_pyg"] = ratio(rate[name], rate[PYG])
+        ratios[f"{key}_vs_pyg"] = common.ratio(rate[name], rate[PYG])
         twin = name.replace("packed", "pad_to_max", 1).replace("+tuple", "").replace("+lpfhp", "")
         if twin in rate:
-            ratios[f"{key}_vs_{twin.replace(' ', '_')}"] = ratio(rate[name], rate[twin])
+            ratios[f"{key}_vs_{twin.replace(' ', '_')}"] = common.ratio(rate[name], rate[twin])
     return ratios
