@@ -166,6 +166,19 @@ def test_accuracy(store: Path, tmp_path: Path) -> None:
     assert loaded["ratios"]["test_mae_ours_over_pyg"] > 0
 
 
+def test_accuracy_ours_only_from_the_command_line(store: Path, tmp_path: Path) -> None:
+    from schnet_ipu.bench.__main__ import main
+
+    shrink = ["data.val=30", "data.test=30", "model.hidden_channels=16", "model.num_filters=16"]
+    shrink += ["backend.compile=false", "backend.replicas=1", "optim.beat_baseline=false"]
+    sets = [arg for value in shrink for arg in ("--set", value)]
+    argv = ["accuracy", "--minutes", "0.01", "--ours-only", "--store", str(store)]
+    report = main([*argv, "--out-dir", str(tmp_path), *sets])
+    assert [row["name"] for row in report["results"]] == ["ours (configs/qm9.yaml)"]
+    assert report["ratios"] == {} and "ours alone" in report["notes"][0]
+    assert (tmp_path / "accuracy.json").is_file()
+
+
 @pytest.mark.usefixtures("restore_threads")  # the step ratio runs on one thread
 def test_periodic(tmp_path: Path) -> None:
     from schnet_ipu.bench import periodic

@@ -4,10 +4,10 @@ Suites (each module's docstring says what it measures): throughput, batching, lo
 gpu, dense, balance, calculator, accuracy, forces, force_step, periodic. Suite options
 (another suite refuses them; they override ``--quick``'s reduced settings): ``--device``
 (gpu), ``--subset N`` (gpu, accuracy), ``--molecules-per-step N`` and ``--profile`` (gpu),
-``--minutes M`` (accuracy, forces), ``--set section.key=value`` (gpu, accuracy, forces,
-force_step), ``--config C`` (forces, force_step), ``--variant`` (forces: ``'NAME: key=value
-...'``; gpu: a name of ``gpu.VARIANTS``), ``--parallel N`` (forces). Each writes
-``SUITE.json``, ``.md`` and ``.png`` in ``--out-dir``.
+``--minutes M`` (accuracy, forces), ``--ours-only`` (accuracy), ``--set section.key=value``
+(gpu, accuracy, forces, force_step), ``--config C`` (forces, force_step), ``--variant``
+(forces: ``'NAME: key=value ...'``; gpu: a name of ``gpu.VARIANTS``), ``--parallel N``
+(forces). Each writes ``SUITE.json``, ``.md`` and ``.png`` in ``--out-dir``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ SUITES = ("throughput", "batching", "loader", "model", "gpu", "dense", "balance"
 # command-line option -> the keyword of the suites' ``run`` that takes it
 OPTIONS = {"device": "device", "subset": "subset", "minutes": "minutes", "set": "overrides",
            "config": "config", "variant": "variants", "parallel": "parallel",
-           "molecules_per_step": "molecules_per_step", "profile": "profile"}  # fmt: skip
+           "molecules_per_step": "molecules_per_step", "profile": "profile",
+           "ours_only": "ours_only"}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -50,6 +51,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--parallel", type=int)
     parser.add_argument("--molecules-per-step", type=int)
     parser.add_argument("--profile", action="store_true", default=None)
+    parser.add_argument("--ours-only", action="store_true", default=None)
     args = parser.parse_args(argv)
     suite = importlib.import_module(f"schnet_ipu.bench.{args.suite}")
     takes = inspect.signature(suite.run).parameters
