@@ -136,6 +136,29 @@ def test_pair_symmetric_conv_equals_torch_flavour(packed_batch, dtype):
 @needs_triton
 @pytest.mark.triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_pair_symmetric_conv_second_derivatives_equal_torch_flavour(packed_batch, dtype):
+    """Under create_graph the fused backward is differentiable again (fused ops): the
+    gradients in x, filter and the incoming gradient of L = <U_x, grad x> + <U_f, grad filt>
+    equal the torch flavour's."""
+    x, _, _, filt, grad = pair_inputs(packed_batch, dtype)
+    gen = torch.Generator().manual_seed(7)
+    upstream = [torch.randn(t.shape, generator=gen, dtype=dtype).to(DEVICE) for t in (x, filt)]
+    results = []
+    for flavour in (triton_ops, torch_ops):
+        leaves = [t.detach().clone().requires_grad_() for t in (x, filt, grad)]
+        xi, fi, gi = leaves
+        out = flavour.pair_symmetric_conv(xi, packed_batch.edge_index, fi)
+        first = torch.autograd.grad(out, (xi, fi), gi, create_graph=True)
+        loss = sum((f * u).sum() for f, u in zip(first, upstream))
+        results.append(torch.autograd.grad(loss, leaves))
+    for name, got, want in zip(("x", "filt", "grad"), *results):
+        assert want.abs().max() > 0, name
+        assert_close(got, want, name)
+
+
+@needs_triton
+@pytest.mark.triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("storage", ["pairs", "edges"])
 def test_table_conv_equals_hermite_reference(packed_batch, dtype, storage):
     """Pair-symmetric storage (dist [E/2]) and one row per edge (dist [E]), with masked
@@ -240,31 +263,39 @@ def test_table_conv_double_backward_equals_torch_flavour(packed_batch):
 
 @needs_triton
 @pytest.mark.triton
-@pytest.mark.parametrize("storage", ["pairs", "edges"])
-def test_table_conv_gradgradcheck(qm9_store, storage):
-    """Finite differences (float64) of the fused table_conv's first and second derivatives in
-    x, dist, values and slopes on one real QM9 molecule (6 atoms, 15 pairs; two masked),
-    pair-symmetric and per-edge storage."""
+@pytest.mark.parametrize("conv", ["table pairs", "table edges", "exact"])
+def test_gradgradcheck_on_a_molecule(qm9_store, conv):
+    """Finite differences (float64) of the fused convolutions' first and second derivatives
+    on one real QM9 molecule (6 atoms, 15 pairs; two masked): table_conv in x, dist, values
+    and slopes (pair-symmetric and per-edge storage), pair_symmetric_conv in x and filter."""
     z, pos = MoleculeStore(qm9_store).molecule(7)
     pos = torch.as_tensor(pos, dtype=torch.float64)
     pairs = torch.as_tensor(pair_array(pos.numpy(), CUTOFF)).T
-    edge_index = torch.cat([pairs, pairs.flip(0)], dim=1)
+    edge_index = torch.cat([pairs, pairs.flip(0)], dim=1).to(DEVICE)
     dist = (pos[pairs[0]] - pos[pairs[1]]).norm(dim=1)
     mask = torch.ones_like(dist, dtype=torch.bool)
     mask[[1, 4]] = False
-    if storage == "edges":
+    if conv == "table edges":
         dist, mask = torch.cat([dist, dist]), torch.cat([mask, mask.roll(1)])
     gen = torch.Generator().manual_seed(3)
     table = torch.randn(2, 6, 2, generator=gen, dtype=torch.float64)
     x = torch.randn(len(z), 2, generator=gen, dtype=torch.float64)
-    leaves = tuple(t.to(DEVICE).requires_grad_() for t in (x, dist, table[0], table[1]))
-    edge_index, mask = edge_index.to(DEVICE), mask.to(DEVICE)
+    mask = mask.to(DEVICE)
+    if conv == "exact":
+        filt = torch.exp(-dist.unsqueeze(1) * torch.tensor([0.7, 1.3], dtype=torch.float64))
+        leaves = tuple(t.to(DEVICE).requires_grad_() for t in (x, filt * mask.unsqueeze(1)))
 
-    def conv(x, dist, values, slopes):
-        return triton_ops.table_conv(x, edge_index, dist, mask, values, slopes, CUTOFF)
+        def run(x, filt):
+            return triton_ops.pair_symmetric_conv(x, edge_index, filt)
 
-    assert torch.autograd.gradcheck(conv, leaves, fast_mode=True)
-    assert torch.autograd.gradgradcheck(conv, leaves, fast_mode=True)
+    else:
+        leaves = tuple(t.to(DEVICE).requires_grad_() for t in (x, dist, table[0], table[1]))
+
+        def run(x, dist, values, slopes):
+            return triton_ops.table_conv(x, edge_index, dist, mask, values, slopes, CUTOFF)
+
+    assert torch.autograd.gradcheck(run, leaves, fast_mode=True)
+    assert torch.autograd.gradgradcheck(run, leaves, fast_mode=True)
 
 
 @needs_triton

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from schnet_ipu.config import ConfigError
-from schnet_ipu.model.ops.torch_ops import TorchOps, _pair_symmetric_conv_backward
+from schnet_ipu.model.ops.torch_ops import TorchOps
 
 AVAILABLE = importlib.util.find_spec("triton") is not None
 
@@ -103,8 +103,10 @@ def _or_zeros(tensor: Tensor | None, like: Tensor) -> Tensor:
 
 
 class _PairSymmetricConv(torch.autograd.Function):
-    """:func:`pair_symmetric_conv` by the fused kernels. Under ``create_graph`` (force
-    training) the backward is the torch flavour's differentiable one."""
+    """:func:`pair_symmetric_conv` by the fused kernels. Without ``create_graph`` the
+    backward is one kernel launch; under it (force training) two differentiable fused ops:
+    grad_x is this convolution of the incoming gradient (each pair's edges run both ways, so
+    sending G back along the edges is convolving G), grad_filt :class:`_PairProducts`."""
 
     @staticmethod
     def forward(ctx, x: Tensor, edge_index: Tensor, filt: Tensor) -> Tensor:
@@ -114,14 +116,38 @@ class _PairSymmetricConv(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, None, Tensor | None]:
         x, edge_index, filt = ctx.saved_tensors
+        need_x, _, need_filt = ctx.needs_input_grad
         if torch.is_grad_enabled():
-            grad_msg = grad.index_select(0, edge_index[1])
-            return _pair_symmetric_conv_backward(
-                x, edge_index[0], filt, grad_msg, ctx.needs_input_grad
-            )
-        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[2], False)
+            grad = grad.contiguous()
+            grad_x = _PairSymmetricConv.apply(grad, edge_index, filt) if need_x else None
+            grad_filt = _PairProducts.apply(x, grad, edge_index) if need_filt else None
+            return grad_x, None, grad_filt
+        needs = (need_x, need_filt, False)
         grads = _conv_backward(grad, x, edge_index, filt.shape[0], _FilterSource(x, filt), needs)
         return grads[0], None, grads[1]
+
+
+class _PairProducts(torch.autograd.Function):
+    """products [P, F] = sum over pair p's two edges of x[src] * grad[dst] (the gradient of
+    :func:`pair_symmetric_conv` in its filter) by the fused backward kernel. Its gradient in
+    x is the convolution of grad with the upstream [P, F] as filter, in grad that of x: both
+    :class:`_PairSymmetricConv`, so every order is fused and differentiable."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, grad: Tensor, edge_index: Tensor) -> Tensor:
+        ctx.save_for_backward(x, grad, edge_index)
+        rows = edge_index.shape[1] // 2
+        source = _FilterSource(x, filt=x.new_empty(rows, x.shape[1]))
+        return _conv_backward(grad, x, edge_index, rows, source, (False, True, False))[1]
+
+    @staticmethod
+    def backward(ctx, up: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
+        x, grad, edge_index = ctx.saved_tensors
+        need_x, need_grad, _ = ctx.needs_input_grad
+        up = up.contiguous()
+        grad_x = _PairSymmetricConv.apply(grad, edge_index, up) if need_x else None
+        grad_grad = _PairSymmetricConv.apply(x, edge_index, up) if need_grad else None
+        return grad_x, grad_grad, None
 
 
 class _TableConv(torch.autograd.Function):
