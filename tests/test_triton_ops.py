@@ -261,38 +261,70 @@ def test_table_conv_double_backward_equals_torch_flavour(packed_batch):
         assert_close(a, b, f"second {name}")
 
 
+def molecule_inputs(store: Path, storage: str = "pairs") -> tuple:
+    """One real QM9 molecule (6 atoms, 15 pairs; two masked), float64 on ``DEVICE``: x [6, 2],
+    edge_index [2, 30], dist and mask [15] (pair-symmetric) or [30] (``storage="edges"``), a
+    random table [6, 2] (values, slopes) and a smooth per-pair filter [15, 2], zero where
+    masked."""
+    z, pos = MoleculeStore(store).molecule(7)
+    pos = torch.as_tensor(pos, dtype=torch.float64)
+    pairs = torch.as_tensor(pair_array(pos.numpy(), CUTOFF)).T
+    edge_index = torch.cat([pairs, pairs.flip(0)], dim=1)
+    dist = (pos[pairs[0]] - pos[pairs[1]]).norm(dim=1)
+    mask = torch.ones_like(dist, dtype=torch.bool)
+    mask[[1, 4]] = False
+    filt = torch.exp(-dist.unsqueeze(1) * torch.tensor([0.7, 1.3], dtype=torch.float64))
+    filt = filt * mask.unsqueeze(1)
+    if storage == "edges":
+        dist, mask = torch.cat([dist, dist]), torch.cat([mask, mask.roll(1)])
+    gen = torch.Generator().manual_seed(3)
+    values, slopes = torch.randn(2, 6, 2, generator=gen, dtype=torch.float64)
+    x = torch.randn(len(z), 2, generator=gen, dtype=torch.float64)
+    tensors = (x, edge_index, dist, mask, values, slopes, filt)
+    return tuple(t.to(DEVICE) for t in tensors)
+
+
 @needs_triton
 @pytest.mark.triton
 @pytest.mark.parametrize("conv", ["table pairs", "table edges", "exact"])
 def test_gradgradcheck_on_a_molecule(qm9_store, conv):
     """Finite differences (float64) of the fused convolutions' first and second derivatives
-    on one real QM9 molecule (6 atoms, 15 pairs; two masked): table_conv in x, dist, values
-    and slopes (pair-symmetric and per-edge storage), pair_symmetric_conv in x and filter."""
-    z, pos = MoleculeStore(qm9_store).molecule(7)
-    pos = torch.as_tensor(pos, dtype=torch.float64)
-    pairs = torch.as_tensor(pair_array(pos.numpy(), CUTOFF)).T
-    edge_index = torch.cat([pairs, pairs.flip(0)], dim=1).to(DEVICE)
-    dist = (pos[pairs[0]] - pos[pairs[1]]).norm(dim=1)
-    mask = torch.ones_like(dist, dtype=torch.bool)
-    mask[[1, 4]] = False
-    if conv == "table edges":
-        dist, mask = torch.cat([dist, dist]), torch.cat([mask, mask.roll(1)])
-    gen = torch.Generator().manual_seed(3)
-    table = torch.randn(2, 6, 2, generator=gen, dtype=torch.float64)
-    x = torch.randn(len(z), 2, generator=gen, dtype=torch.float64)
-    mask = mask.to(DEVICE)
+    on one real QM9 molecule: table_conv in x, dist, values and slopes (pair-symmetric and
+    per-edge storage), pair_symmetric_conv in x and filter."""
+    storage = "edges" if conv == "table edges" else "pairs"
+    x, edge_index, dist, mask, values, slopes, filt = molecule_inputs(qm9_store, storage)
     if conv == "exact":
-        filt = torch.exp(-dist.unsqueeze(1) * torch.tensor([0.7, 1.3], dtype=torch.float64))
-        leaves = tuple(t.to(DEVICE).requires_grad_() for t in (x, filt * mask.unsqueeze(1)))
+        leaves = (x.requires_grad_(), filt.requires_grad_())
 
         def run(x, filt):
             return triton_ops.pair_symmetric_conv(x, edge_index, filt)
 
     else:
-        leaves = tuple(t.to(DEVICE).requires_grad_() for t in (x, dist, table[0], table[1]))
+        leaves = tuple(t.requires_grad_() for t in (x, dist, values, slopes))
 
         def run(x, dist, values, slopes):
             return triton_ops.table_conv(x, edge_index, dist, mask, values, slopes, CUTOFF)
+
+    assert torch.autograd.gradcheck(run, leaves, fast_mode=True)
+    assert torch.autograd.gradgradcheck(run, leaves, fast_mode=True)
+
+
+@needs_triton
+@pytest.mark.triton
+@pytest.mark.parametrize("wanted", ["dist", "x dist", "values dist", "x slopes"])
+def test_table_conv_gradients_of_some_inputs_only(qm9_store, wanted):
+    """The passes skip the gradients nobody asks for (inference: a frozen table gives
+    forces from dist alone): what they still give, once and twice, is right."""
+    x, edge_index, dist, mask, values, slopes, _ = molecule_inputs(qm9_store)
+    inputs = {"x": x, "dist": dist, "values": values, "slopes": slopes}
+    names = wanted.split()
+    leaves = tuple(inputs[name].requires_grad_() for name in names)
+
+    def run(*leaves):
+        given = dict(inputs, **dict(zip(names, leaves)))
+        return triton_ops.table_conv(
+            given["x"], edge_index, given["dist"], mask, given["values"], given["slopes"], CUTOFF
+        )
 
     assert torch.autograd.gradcheck(run, leaves, fast_mode=True)
     assert torch.autograd.gradgradcheck(run, leaves, fast_mode=True)
