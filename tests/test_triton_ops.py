@@ -6,7 +6,8 @@ run on CUDA tensors where a GPU is present, else on CPU tensors under Triton's i
 slow: the batches are a few packs of real QM9 molecules or water clusters, with padding, one
 small QM9 molecule (finite differences) and a periodic EMT cell (stress). They compare outputs,
 every gradient and, for the table, every second derivative (force training's double
-backward) in float32 and float64.
+backward) in float32 and float64. Over 400 lines because every pass of both fused primitives
+is checked against the same fixtures and references here, kept in one place.
 """
 
 from __future__ import annotations
