@@ -3,17 +3,23 @@
 The kernel tests (marker ``triton``, opt-in: ``pytest -m triton tests/test_triton_ops.py``)
 run on CUDA tensors where a GPU is present, else on CPU tensors under Triton's interpreter
 (``TRITON_INTERPRET=1``, which tests/conftest.py sets without a GPU). The interpreter is
-slow: the batches are a few packs of real QM9 molecules or water clusters, with padding.
-They compare outputs and every gradient in float32 and float64.
+slow: the batches are a few packs of real QM9 molecules or water clusters, with padding, one
+small QM9 molecule (finite differences) and a periodic EMT cell (stress). They compare outputs,
+every gradient and, for the table, every second derivative (force training's double
+backward) in float32 and float64. Over 400 lines because every pass of both fused primitives
+is checked against the same fixtures and references here, kept in one place.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
 from bench_helpers import molecules_to_batch, pair_array, plan_packs
+from test_fused_table import CUTOFF as CELL_CUTOFF
+from test_fused_table import emt_cell, force_training_pass
 
 from schnet_ipu.backends import TorchBackend
 from schnet_ipu.batch import Batch
@@ -79,6 +85,19 @@ def pair_inputs(batch: Batch, dtype: torch.dtype, features: int = 24):
     return x.requires_grad_(), dist.detach(), mask, filt.detach().requires_grad_(), grad
 
 
+def table_inputs(batch: Batch, dtype: torch.dtype, storage: str = "pairs", seed: int = 9):
+    """:func:`pair_inputs`' x, dist, mask and grad, with dist and mask [E / 2] for
+    pair-symmetric storage or [E] for one row per edge, and a random table (values and
+    slopes [K, F]): (x, edge_index, dist, mask, values, slopes, grad), none requiring grad."""
+    x, dist, mask, _, grad = pair_inputs(batch, dtype)
+    if storage == "edges":
+        dist, mask = torch.cat([dist, dist.flip(0)]), torch.cat([mask, mask.flip(0)])
+    gen = torch.Generator().manual_seed(seed)
+    values = torch.randn(KNOTS, x.shape[1], generator=gen, dtype=dtype).to(DEVICE)
+    slopes = torch.randn(KNOTS, x.shape[1], generator=gen, dtype=dtype).to(DEVICE)
+    return x.detach(), batch.edge_index, dist, mask, values, slopes, grad
+
+
 def hermite_table_conv(x, edge_index, dist, edge_mask, values, slopes, cutoff):
     """The contract's interpolation in plain torch (autograd gives every gradient)."""
     knots = values.shape[0]
@@ -118,19 +137,36 @@ def test_pair_symmetric_conv_equals_torch_flavour(packed_batch, dtype):
 @needs_triton
 @pytest.mark.triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_pair_symmetric_conv_second_derivatives_equal_torch_flavour(packed_batch, dtype):
+    """Under create_graph the fused backward is differentiable again (fused ops): the
+    gradients in x, filter and the incoming gradient of L = <U_x, grad x> + <U_f, grad filt>
+    equal the torch flavour's."""
+    x, _, _, filt, grad = pair_inputs(packed_batch, dtype)
+    gen = torch.Generator().manual_seed(7)
+    upstream = [torch.randn(t.shape, generator=gen, dtype=dtype).to(DEVICE) for t in (x, filt)]
+    results = []
+    for flavour in (triton_ops, torch_ops):
+        leaves = [t.detach().clone().requires_grad_() for t in (x, filt, grad)]
+        xi, fi, gi = leaves
+        out = flavour.pair_symmetric_conv(xi, packed_batch.edge_index, fi)
+        first = torch.autograd.grad(out, (xi, fi), gi, create_graph=True)
+        loss = sum((f * u).sum() for f, u in zip(first, upstream))
+        results.append(torch.autograd.grad(loss, leaves))
+    for name, got, want in zip(("x", "filt", "grad"), *results):
+        assert want.abs().max() > 0, name
+        assert_close(got, want, name)
+
+
+@needs_triton
+@pytest.mark.triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("storage", ["pairs", "edges"])
 def test_table_conv_equals_hermite_reference(packed_batch, dtype, storage):
     """Pair-symmetric storage (dist [E/2]) and one row per edge (dist [E]), with masked
     edges; gradients in x, dist, values and slopes."""
-    x, dist, mask, _, grad = pair_inputs(packed_batch, dtype)
-    edge_index = packed_batch.edge_index
-    if storage == "edges":
-        dist, mask = torch.cat([dist, dist.flip(0)]), torch.cat([mask, mask.flip(0)])
+    x, edge_index, dist, mask, values, slopes, grad = table_inputs(packed_batch, dtype, storage)
     assert not mask.all() and mask.any()
-    gen = torch.Generator().manual_seed(9)
-    values = torch.randn(KNOTS, x.shape[1], generator=gen, dtype=dtype).to(DEVICE)
-    slopes = torch.randn(KNOTS, x.shape[1], generator=gen, dtype=dtype).to(DEVICE)
-    leaves = (x, dist.requires_grad_(), values.requires_grad_(), slopes.requires_grad_())
+    leaves = tuple(t.requires_grad_() for t in (x, dist, values, slopes))
     args = (x, edge_index, dist, mask, values, slopes, CUTOFF)
     got = triton_ops.table_conv(*args)
     want = hermite_table_conv(*args)
@@ -151,12 +187,11 @@ def test_table_conv_equals_torch_flavour(packed_batch, fused, monkeypatch):
     from schnet_ipu.model.ops import fused_table
 
     monkeypatch.setattr(fused_table, "AVAILABLE", fused and fused_table.AVAILABLE)
-    x, dist, mask, _, grad = pair_inputs(packed_batch, torch.float64)
-    gen = torch.Generator().manual_seed(5)
-    values = torch.randn(KNOTS, x.shape[1], generator=gen, dtype=torch.float64).to(DEVICE)
-    slopes = torch.randn(KNOTS, x.shape[1], generator=gen, dtype=torch.float64).to(DEVICE)
-    leaves = (x, dist.requires_grad_(), values.requires_grad_(), slopes.requires_grad_())
-    args = (x, packed_batch.edge_index, dist, mask, values, slopes, CUTOFF)
+    x, edge_index, dist, mask, values, slopes, grad = table_inputs(
+        packed_batch, torch.float64, seed=5
+    )
+    leaves = tuple(t.requires_grad_() for t in (x, dist, values, slopes))
+    args = (x, edge_index, dist, mask, values, slopes, CUTOFF)
     got, want = triton_ops.table_conv(*args), torch_ops.table_conv(*args)
     assert_close(got, want, "out")
     got_grads = torch.autograd.grad(got, leaves, grad)
@@ -165,32 +200,135 @@ def test_table_conv_equals_torch_flavour(packed_batch, fused, monkeypatch):
         assert_close(a, b, name)
 
 
+def first_and_second_derivatives(conv, inputs: tuple, upstream: tuple) -> tuple:
+    """``conv``'s first derivatives (x, dist, values, slopes) under ``create_graph`` with the
+    incoming gradient ``grad`` a leaf too, and the gradients of L = sum of <upstream, first
+    derivative> (None: left out of L) in (x, dist, values, slopes, grad): every quantity of
+    force training's double backward."""
+    x, edge_index, dist, mask, values, slopes, grad = inputs
+    leaves = [t.detach().clone().requires_grad_() for t in (x, dist, values, slopes, grad)]
+    xi, di, vi, si, gi = leaves
+    out = conv(xi, edge_index, di, mask, vi, si, CUTOFF)
+    first = torch.autograd.grad(out, leaves[:4], gi, create_graph=True)
+    loss = sum((f * u).sum() for f, u in zip(first, upstream) if u is not None)
+    return first, torch.autograd.grad(loss, leaves)
+
+
+@needs_triton
+@pytest.mark.triton
+@pytest.mark.parametrize(
+    ("dtype", "storage", "upstream"),
+    [
+        (torch.float32, "pairs", "all"),
+        (torch.float64, "pairs", "all"),
+        (torch.float64, "edges", "all"),
+        (torch.float32, "edges", "forces"),
+        (torch.float64, "pairs", "forces"),
+    ],
+)
+def test_table_conv_second_derivatives_equal_unfused(packed_batch, dtype, storage, upstream):
+    """The fused double backward against autograd through the torch flavour's unfused ops
+    (the interpolated [E', F] filter): first derivatives and the gradients in x, dist,
+    values, slopes and the incoming gradient of L = <U_x, grad x> + <u_d, grad dist>, plus
+    <U_v, grad values> + <U_s, grad slopes> with ``upstream="all"`` (in force training the
+    table is off the path to the positions, so its upstream is absent)."""
+    inputs = table_inputs(packed_batch, dtype, storage, seed=6)
+    x, _, dist, _, values, _, _ = inputs
+    gen = torch.Generator().manual_seed(7)
+    up = [torch.randn(t.shape, generator=gen, dtype=dtype).to(DEVICE) for t in (x, dist, values)]
+    up_slopes = torch.randn(values.shape, generator=gen, dtype=dtype).to(DEVICE)
+    upstream_terms = (*up, up_slopes) if upstream == "all" else (*up[:2], None, None)
+    got = first_and_second_derivatives(triton_ops.table_conv, inputs, upstream_terms)
+    want = first_and_second_derivatives(torch_ops.table_conv_unfused, inputs, upstream_terms)
+    for name, a, b in zip(("x", "dist", "values", "slopes"), got[0], want[0]):
+        assert_close(a, b, f"first {name}")
+    for name, a, b in zip(("x", "dist", "values", "slopes", "grad"), got[1], want[1]):
+        assert b.abs().max() > 0, name
+        assert_close(a, b, f"second {name}")
+
+
 @needs_triton
 @pytest.mark.triton
 def test_table_conv_double_backward_equals_torch_flavour(packed_batch):
-    """Force training differentiates the forces again: under create_graph the triton
-    table_conv's backward (the torch flavour's unfused ops, recomputed) gives the torch
-    flavour's (numba's fused double backward) second derivatives, float64."""
-    x, dist, mask, _, grad = pair_inputs(packed_batch, torch.float64)
-    gen = torch.Generator().manual_seed(6)
-    values = torch.randn(KNOTS, x.shape[1], generator=gen, dtype=torch.float64).to(DEVICE)
-    slopes = torch.randn(KNOTS, x.shape[1], generator=gen, dtype=torch.float64).to(DEVICE)
-    results = []
-    for flavour in (triton_ops, torch_ops):
-        leaves = [t.detach().clone().requires_grad_() for t in (x, dist, values, slopes)]
-        xi, di, vi, si = leaves
-        out = flavour.table_conv(xi, packed_batch.edge_index, di, mask, vi, si, CUTOFF)
-        first = torch.autograd.grad(out, leaves, grad, create_graph=True)
-        # force-like: d/d(everything) of |d loss / d dist|^2 + a term on grad x
-        second = torch.autograd.grad(first[1].square().sum() + first[0].sum(), leaves)
-        results.append((first, second))
-    (first, second), (want_first, want_second) = results
-    names = ("x", "dist", "values", "slopes")
-    for name, a, b in zip(names, first, want_first):
-        assert_close(a, b, f"first {name}")
-    for name, a, b in zip(names, second, want_second):
+    """Both fused double backwards agree: the triton kernel's and the torch flavour's (numba's
+    loop, in the cubic's power basis), float64, every upstream present."""
+    inputs = table_inputs(packed_batch, torch.float64, seed=8)
+    x, _, dist, _, values, slopes, _ = inputs
+    upstream = tuple(torch.randn_like(t) for t in (x, dist, values, slopes))
+    got = first_and_second_derivatives(triton_ops.table_conv, inputs, upstream)
+    want = first_and_second_derivatives(torch_ops.table_conv, inputs, upstream)
+    for name, a, b in zip(("x", "dist", "values", "slopes", "grad"), got[1], want[1]):
         assert b.abs().max() > 0, name
         assert_close(a, b, f"second {name}")
+
+
+def molecule_inputs(store: Path, storage: str = "pairs") -> tuple:
+    """One real QM9 molecule (6 atoms, 15 pairs; two masked), float64 on ``DEVICE``: x [6, 2],
+    edge_index [2, 30], dist and mask [15] (pair-symmetric) or [30] (``storage="edges"``), a
+    random table [6, 2] (values, slopes) and a smooth per-pair filter [15, 2], zero where
+    masked."""
+    z, pos = MoleculeStore(store).molecule(7)
+    pos = torch.as_tensor(pos, dtype=torch.float64)
+    pairs = torch.as_tensor(pair_array(pos.numpy(), CUTOFF)).T
+    edge_index = torch.cat([pairs, pairs.flip(0)], dim=1)
+    dist = (pos[pairs[0]] - pos[pairs[1]]).norm(dim=1)
+    mask = torch.ones_like(dist, dtype=torch.bool)
+    mask[[1, 4]] = False
+    filt = torch.exp(-dist.unsqueeze(1) * torch.tensor([0.7, 1.3], dtype=torch.float64))
+    filt = filt * mask.unsqueeze(1)
+    if storage == "edges":
+        dist, mask = torch.cat([dist, dist]), torch.cat([mask, mask.roll(1)])
+    gen = torch.Generator().manual_seed(3)
+    values, slopes = torch.randn(2, 6, 2, generator=gen, dtype=torch.float64)
+    x = torch.randn(len(z), 2, generator=gen, dtype=torch.float64)
+    tensors = (x, edge_index, dist, mask, values, slopes, filt)
+    return tuple(t.to(DEVICE) for t in tensors)
+
+
+@needs_triton
+@pytest.mark.triton
+@pytest.mark.parametrize("conv", ["table pairs", "table edges", "exact"])
+def test_gradgradcheck_on_a_molecule(qm9_store, conv):
+    """Finite differences (float64) of the fused convolutions' first and second derivatives
+    on one real QM9 molecule: table_conv in x, dist, values and slopes (pair-symmetric and
+    per-edge storage), pair_symmetric_conv in x and filter."""
+    storage = "edges" if conv == "table edges" else "pairs"
+    x, edge_index, dist, mask, values, slopes, filt = molecule_inputs(qm9_store, storage)
+    if conv == "exact":
+        leaves = (x.requires_grad_(), filt.requires_grad_())
+
+        def run(x, filt):
+            return triton_ops.pair_symmetric_conv(x, edge_index, filt)
+
+    else:
+        leaves = tuple(t.requires_grad_() for t in (x, dist, values, slopes))
+
+        def run(x, dist, values, slopes):
+            return triton_ops.table_conv(x, edge_index, dist, mask, values, slopes, CUTOFF)
+
+    assert torch.autograd.gradcheck(run, leaves, fast_mode=True)
+    assert torch.autograd.gradgradcheck(run, leaves, fast_mode=True)
+
+
+@needs_triton
+@pytest.mark.triton
+@pytest.mark.parametrize("wanted", ["dist", "x dist", "values dist", "x slopes"])
+def test_table_conv_gradients_of_some_inputs_only(qm9_store, wanted):
+    """The passes skip the gradients nobody asks for (inference: a frozen table gives
+    forces from dist alone): what they still give, once and twice, is right."""
+    x, edge_index, dist, mask, values, slopes, _ = molecule_inputs(qm9_store)
+    inputs = {"x": x, "dist": dist, "values": values, "slopes": slopes}
+    names = wanted.split()
+    leaves = tuple(inputs[name].requires_grad_() for name in names)
+
+    def run(*leaves):
+        given = dict(inputs, **dict(zip(names, leaves)))
+        return triton_ops.table_conv(
+            given["x"], edge_index, given["dist"], mask, given["values"], given["slopes"], CUTOFF
+        )
+
+    assert torch.autograd.gradcheck(run, leaves, fast_mode=True)
+    assert torch.autograd.gradgradcheck(run, leaves, fast_mode=True)
 
 
 @needs_triton
@@ -223,13 +361,39 @@ def test_model_equals_torch_flavour_with_forces(packed_batch, filter_):
 
 @needs_triton
 @pytest.mark.triton
-def test_compiled_model_keeps_the_kernels_in_one_graph(packed_batch):
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+def test_table_model_force_training_equals_torch_flavour_with_stress(dtype):
+    """Force training of SchNet (filter=table) on a periodic EMT cell (8 atoms, a padding
+    atom and a masked pair slot): energies, forces, stress and every parameter's gradient of
+    a loss on all three by ops=triton (the fused double backward) equal ops=torch's (numba's
+    loops), 1e-10 (float64) or 1e-5 (float32) of the largest entry."""
+    batch = emt_cell().to(DEVICE)
+    batch = dataclasses.replace(batch, pos=batch.pos.to(dtype), cell=batch.cell.to(dtype))
+    results = []
+    for ops in ("torch", "triton"):
+        torch.manual_seed(2)
+        model = SchNet(hidden_channels=16, num_filters=12, num_interactions=3, num_gaussians=10,
+                       cutoff=CELL_CUTOFF, graph="radius", filter="table", filter_points=48,
+                       mean=-1.0, std=0.7, ops=ops).to(DEVICE, dtype)  # fmt: skip
+        results.append(force_training_pass(model, batch, periodic=True))
+    want, got = results
+    assert want["forces"].abs().max() > 0 and want["stress"].abs().max() > 0
+    assert len(want) == 3 + len(list(model.parameters()))
+    for name, value in want.items():
+        assert_close(got[name], value, name)
+
+
+@needs_triton
+@pytest.mark.triton
+@pytest.mark.parametrize("filter_", ["exact", "table"])
+def test_compiled_model_keeps_the_kernels_in_one_graph(packed_batch, filter_):
     """torch.compile(fullgraph=True) through dynamo and AOTAutograd ("aot_eager": their fake
-    tensors meet the kernels' custom ops, forward and backward) of SchNet with ops=triton:
-    no graph break, and the eager model's predictions and gradients."""
+    tensors meet the kernels' custom ops, forward and backward) of SchNet with ops=triton,
+    exact and table filter (whose backward is an autograd.Function of its own): no graph
+    break, and the eager model's predictions and gradients."""
     torch.manual_seed(4)
     model = SchNet(hidden_channels=16, num_filters=16, num_interactions=2, graph="radius",
-                   ops="triton").to(DEVICE)  # fmt: skip
+                   ops="triton", filter=filter_, filter_points=KNOTS).to(DEVICE)  # fmt: skip
     compiled = torch.compile(model, fullgraph=True, dynamic=False, backend="aot_eager")
     results = []
     for run in (compiled, model):

@@ -32,18 +32,19 @@ from torch import Tensor
 
 
 @triton.jit
-def _hermite_filter(
-    values_ptr, slopes_ptr, dist, keep, feat, feat_ok, spacing_ptr, num_knots, num_features,
-):  # fmt: skip
-    """Filter [BLOCK_E, BLOCK_F] at ``dist`` [BLOCK_E] and its derivative in ``dist``, plus
-    the table offsets of the lower knots and the four basis weights (for the table's
-    gradient). The knot spacing h is read from a one-element tensor of the input dtype, since
-    a Python float argument would be float32."""
-    spacing = tl.load(spacing_ptr)
+def knot_position(dist, spacing, num_knots):
+    """(k, t) of lengths ``dist`` [BLOCK_E]: the lower knot k = clamp(floor(d / h), 0, K - 2)
+    (int64) and the position t = d / h - k in its interval."""
     s = dist / spacing
     knot = tl.minimum(tl.maximum(tl.floor(s), 0.0), num_knots - 2.0)
-    t = s - knot
-    k = knot.to(tl.int64)
+    return knot.to(tl.int64), s - knot
+
+
+@triton.jit
+def hermite_basis(t):
+    """The four cubic Hermite basis polynomials at t (weights of v_k, h s_k, v_{k+1},
+    h s_{k+1}) and the derivatives in t of the first, second and fourth (the third's is minus
+    the first's)."""
     t2 = t * t
     t3 = t2 * t
     h00 = 2.0 * t3 - 3.0 * t2 + 1.0
@@ -53,6 +54,20 @@ def _hermite_filter(
     d00 = 6.0 * t2 - 6.0 * t
     d10 = 3.0 * t2 - 4.0 * t + 1.0
     d11 = 3.0 * t2 - 2.0 * t
+    return h00, h10, h01, h11, d00, d10, d11
+
+
+@triton.jit
+def _hermite_filter(
+    values_ptr, slopes_ptr, dist, keep, feat, feat_ok, spacing_ptr, num_knots, num_features,
+):  # fmt: skip
+    """Filter [BLOCK_E, BLOCK_F] at ``dist`` [BLOCK_E] and its derivative in ``dist``, plus
+    the table offsets of the lower knots and the four basis weights (for the table's
+    gradient). The knot spacing h is read from a one-element tensor of the input dtype, since
+    a Python float argument would be float32."""
+    spacing = tl.load(spacing_ptr)
+    k, t = knot_position(dist, spacing, num_knots)
+    h00, h10, h01, h11, d00, d10, d11 = hermite_basis(t)
     ok = keep[:, None] & feat_ok[None, :]
     at = k[:, None] * num_features + feat[None, :]
     v0 = tl.load(values_ptr + at, mask=ok, other=0.0)
@@ -154,11 +169,13 @@ BLOCK_ROWS = 16
 NUM_WARPS = 4
 
 
-def _launch(kernel, rows: int, num_features: int, *args, **switches) -> None:
-    """``kernel`` over ``rows`` filter rows, BLOCK_ROWS per program, all features at once."""
-    grid = (triton.cdiv(rows, BLOCK_ROWS),)
+def launch(
+    kernel, rows: int, num_features: int, *args, block_rows: int = BLOCK_ROWS, **switches
+) -> None:
+    """``kernel`` over ``rows`` filter rows, ``block_rows`` per program, all features at once."""
+    grid = (triton.cdiv(rows, block_rows),)
     block_features = max(16, 1 << (num_features - 1).bit_length())
-    kernel[grid](*args, **switches, BLOCK_E=BLOCK_ROWS, BLOCK_F=block_features,
+    kernel[grid](*args, **switches, BLOCK_E=block_rows, BLOCK_F=block_features,
                  num_warps=NUM_WARPS)  # fmt: skip
 
 
@@ -174,7 +191,7 @@ def fused_conv(
 ) -> Tensor:  # fmt: skip
     """out [N, F] = sum over edges of x[src] * filter (see the module docstring)."""
     out = torch.zeros_like(x)
-    _launch(
+    launch(
         conv_forward_kernel, rows, x.shape[1],
         x, edge_index[0], edge_index[1], filt, values, slopes, dist, mask, out,
         rows, x.shape[1], spacing, values.shape[0],
@@ -207,7 +224,7 @@ def fused_conv_backward(
     grads = _gradient_buffers(
         x, filt, values, dist, table, need_x, need_filt, need_dist, torch.zeros_like
     )
-    _launch(
+    launch(
         conv_backward_kernel, rows, x.shape[1],
         grad.contiguous(), x, edge_index[0], edge_index[1], filt, values, slopes, dist, mask,
         *grads, rows, x.shape[1], spacing, values.shape[0],

@@ -2,7 +2,9 @@
 
 ``model.ops=triton`` swaps two primitives of :class:`~.torch_ops.TorchOps` for Triton
 kernels (:mod:`.triton_kernels`) that gather the senders' rows, multiply by the filter and
-add into the receivers in one pass, forward and backward, never writing the [E, F] messages:
+add into the receivers in one pass, forward and backward, never writing the [E, F] messages
+(and, for the table, the backward's own backward under ``create_graph`` too:
+:mod:`.triton_table_kernels`):
 
 * ``pair_symmetric_conv(x, edge_index, filt)``: the exact per-pair filter [P, F];
 * ``table_conv(x, edge_index, dist, edge_mask, values, slopes, cutoff)``: the filter
@@ -25,11 +27,7 @@ import torch
 from torch import Tensor
 
 from schnet_ipu.config import ConfigError
-from schnet_ipu.model.ops.torch_ops import (
-    TorchOps,
-    _pair_symmetric_conv_backward,
-    table_conv_unfused,
-)
+from schnet_ipu.model.ops.torch_ops import TorchOps
 
 AVAILABLE = importlib.util.find_spec("triton") is not None
 
@@ -91,13 +89,24 @@ def _conv_backward(
         grad, x, edge_index, *source.tensors(), rows, source.table, *needs
     )
     need_x, need_filt, need_dist = needs
-    wanted = (need_x, need_filt, need_filt, need_filt, need_dist)
-    return tuple(g if want else None for g, want in zip(grads, wanted))
+    return _or_none(grads, (need_x, need_filt, need_filt, need_filt, need_dist))
+
+
+def _or_none(tensors, wanted) -> tuple[Tensor | None, ...]:
+    """The tensors, None where ``wanted`` is False."""
+    return tuple(t if want else None for t, want in zip(tensors, wanted))
+
+
+def _or_zeros(tensor: Tensor | None, like: Tensor) -> Tensor:
+    """``tensor``, or zeros shaped as ``like`` for an absent (None) upstream gradient."""
+    return torch.zeros_like(like) if tensor is None else tensor
 
 
 class _PairSymmetricConv(torch.autograd.Function):
-    """:func:`pair_symmetric_conv` by the fused kernels. Under ``create_graph`` (force
-    training) the backward is the torch flavour's differentiable one."""
+    """:func:`pair_symmetric_conv` by the fused kernels. Without ``create_graph`` the
+    backward is one kernel launch; under it (force training) two differentiable fused ops:
+    grad_x is this convolution of the incoming gradient (each pair's edges run both ways, so
+    sending G back along the edges is convolving G), grad_filt :class:`_PairProducts`."""
 
     @staticmethod
     def forward(ctx, x: Tensor, edge_index: Tensor, filt: Tensor) -> Tensor:
@@ -107,66 +116,109 @@ class _PairSymmetricConv(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, None, Tensor | None]:
         x, edge_index, filt = ctx.saved_tensors
+        need_x, _, need_filt = ctx.needs_input_grad
         if torch.is_grad_enabled():
-            grad_msg = grad.index_select(0, edge_index[1])
-            return _pair_symmetric_conv_backward(
-                x, edge_index[0], filt, grad_msg, ctx.needs_input_grad
-            )
-        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[2], False)
+            grad = grad.contiguous()
+            grad_x = _PairSymmetricConv.apply(grad, edge_index, filt) if need_x else None
+            grad_filt = _PairProducts.apply(x, grad, edge_index) if need_filt else None
+            return grad_x, None, grad_filt
+        needs = (need_x, need_filt, False)
         grads = _conv_backward(grad, x, edge_index, filt.shape[0], _FilterSource(x, filt), needs)
         return grads[0], None, grads[1]
 
 
+class _PairProducts(torch.autograd.Function):
+    """products [P, F] = sum over pair p's two edges of x[src] * grad[dst] (the gradient of
+    :func:`pair_symmetric_conv` in its filter) by the fused backward kernel. Its gradient in
+    x is the convolution of grad with the upstream [P, F] as filter, in grad that of x: both
+    :class:`_PairSymmetricConv`, so every order is fused and differentiable."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, grad: Tensor, edge_index: Tensor) -> Tensor:
+        ctx.save_for_backward(x, grad, edge_index)
+        rows = edge_index.shape[1] // 2
+        source = _FilterSource(x, filt=x.new_empty(rows, x.shape[1]))
+        return _conv_backward(grad, x, edge_index, rows, source, (False, True, False))[1]
+
+    @staticmethod
+    def backward(ctx, up: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
+        x, grad, edge_index = ctx.saved_tensors
+        need_x, need_grad, _ = ctx.needs_input_grad
+        up = up.contiguous()
+        grad_x = _PairSymmetricConv.apply(grad, edge_index, up) if need_x else None
+        grad_grad = _PairSymmetricConv.apply(x, edge_index, up) if need_grad else None
+        return grad_x, grad_grad, None
+
+
 class _TableConv(torch.autograd.Function):
-    """:func:`table_conv` by the fused kernels. Under ``create_graph`` (force training) the
-    backward is the torch flavour's unfused one (:func:`_differentiable_backward`), which
-    autograd differentiates again; without it (energy training) the fused backward kernel."""
+    """:func:`table_conv` by the fused kernels; the backward is :class:`_TableConvBackward`,
+    so under ``create_graph`` (force training) it is differentiable again."""
 
     @staticmethod
     def forward(
         ctx, x: Tensor, edge_index: Tensor, dist: Tensor, edge_mask: Tensor,
         values: Tensor, slopes: Tensor, cutoff: float,
     ) -> Tensor:  # fmt: skip
-        ctx.save_for_backward(x, edge_index, dist, edge_mask, values, slopes)
-        ctx.cutoff = cutoff
         source = _FilterSource(x, table=(dist, edge_mask, values, slopes, cutoff))
+        ctx.save_for_backward(x, edge_index, dist, edge_mask, values, slopes, source.spacing)
         return _conv_forward(x, edge_index, dist.shape[0], source)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
-        x, edge_index, dist, edge_mask, values, slopes = ctx.saved_tensors
-        if torch.is_grad_enabled():  # create_graph: the kernel's gradients are not
-            return _differentiable_backward(ctx, grad)  # differentiable again
-        source = _FilterSource(x, table=(dist, edge_mask, values, slopes, ctx.cutoff))
         need_x, _, need_dist, _, need_values, need_slopes, _ = ctx.needs_input_grad
         needs = (need_x, need_values or need_slopes, need_dist)
-        grad_x, _, grad_values, grad_slopes, grad_dist = _conv_backward(
-            grad, x, edge_index, dist.shape[0], source, needs
+        grad_x, grad_values, grad_slopes, grad_dist = _TableConvBackward.apply(
+            grad, *ctx.saved_tensors, needs
         )
+        grad_values = grad_values if need_values else None
+        grad_slopes = grad_slopes if need_slopes else None
         return grad_x, None, grad_dist, None, grad_values, grad_slopes, None
 
 
-def _differentiable_backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
-    """:class:`_TableConv`'s gradients by recomputing the convolution in the torch flavour's
-    ops (:func:`~.torch_ops.table_conv_unfused`) from the saved inputs and differentiating
-    it with ``create_graph``: the gradients are then functions of x, dist, values, slopes and
-    ``grad`` that autograd differentiates again (force training's double backward, unfused).
+class _TableConvBackward(torch.autograd.Function):
+    """(grad_x, grad_values, grad_slopes, grad_dist) of :class:`_TableConv` by the fused
+    backward kernel, None where ``needs`` = (x, table, dist) says so; its own backward is the
+    fused double backward (:mod:`.triton_table_kernels`), differentiable once more only."""
 
-    The inputs enter the recomputation through ``view_as``: fresh graph nodes, so that
-    ``autograd.grad`` captures only the direct dependence. Without them the gradient for
-    ``dist`` also took the path through x (a later block's x depends on the same edge
-    lengths through the earlier blocks): forces 17% off."""
-    x, edge_index, dist, edge_mask, values, slopes = ctx.saved_tensors
-    need_x, _, need_dist, _, need_values, need_slopes, _ = ctx.needs_input_grad
-    inputs = tuple(t.view_as(t) for t in (x, dist, values, slopes))
-    x, dist, values, slopes = inputs
-    wanted = [i for i, need in enumerate((need_x, need_dist, need_values, need_slopes)) if need]
-    out = table_conv_unfused(x, edge_index, dist, edge_mask.bool(), values, slopes, ctx.cutoff)
-    grads = torch.autograd.grad(out, [inputs[i] for i in wanted], grad, create_graph=True)
-    found: list[Tensor | None] = [None] * 4
-    for i, g in zip(wanted, grads):
-        found[i] = g
-    return found[0], None, found[1], None, found[2], found[3], None
+    @staticmethod
+    def forward(
+        ctx, grad: Tensor, x: Tensor, edge_index: Tensor, dist: Tensor, edge_mask: Tensor,
+        values: Tensor, slopes: Tensor, spacing: Tensor, needs: tuple[bool, bool, bool],
+    ) -> tuple[Tensor | None, ...]:  # fmt: skip
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(grad, x, edge_index, dist, edge_mask, values, slopes, spacing)
+        grads = _kernels(x).fused_conv_backward(
+            grad, x, edge_index, x, values, slopes, dist, edge_mask, spacing, dist.shape[0],
+            True, *needs,
+        )  # fmt: skip
+        grad_x, _, grad_values, grad_slopes, grad_dist = grads
+        need_x, need_table, need_dist = needs
+        wanted = (need_x, need_table, need_table, need_dist)
+        return _or_none((grad_x, grad_values, grad_slopes, grad_dist), wanted)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(
+        ctx, up_x: Tensor | None, up_values: Tensor | None, up_slopes: Tensor | None,
+        up_dist: Tensor | None,
+    ) -> tuple[Tensor | None, ...]:  # fmt: skip
+        grad, x, edge_index, dist, edge_mask, values, slopes, spacing = ctx.saved_tensors
+        _kernels(x)  # refuses tensors the kernels cannot run on
+        from schnet_ipu.model.ops.triton_table_kernels import fused_table_double_backward
+
+        need_grad, need_x, _, need_dist, _, need_values, need_slopes = ctx.needs_input_grad[:7]
+        up_table = up_values is not None or up_slopes is not None
+        if up_table:
+            up_values, up_slopes = _or_zeros(up_values, values), _or_zeros(up_slopes, slopes)
+        outputs = fused_table_double_backward(
+            _or_zeros(up_x, x), values if up_values is None else up_values,
+            slopes if up_slopes is None else up_slopes, _or_zeros(up_dist, dist),
+            grad, x, edge_index, values, slopes, dist, edge_mask, spacing, up_table,
+            need_grad, need_x, need_values or need_slopes, need_dist,
+        )  # fmt: skip
+        wanted = (need_grad, need_x, need_values, need_slopes, need_dist)
+        out_grad, out_x, out_values, out_slopes, out_dist = _or_none(outputs, wanted)
+        return out_grad, out_x, None, out_dist, None, out_values, out_slopes, None, None
 
 
 def pair_symmetric_conv(x: Tensor, edge_index: Tensor, filt: Tensor) -> Tensor:
@@ -195,7 +247,7 @@ def table_conv(
     x [N, F]; edge_index [2, E] (row 0 source j, row 1 receiver i); dist and edge_mask [E']
     with E' = E, or E' = E / 2 for pair-symmetric storage (edge p + E' is pair p reversed and
     shares its filter). Returns [N, F]; differentiable in x, dist, values and slopes, twice
-    under ``create_graph`` (whose backward is the torch flavour's unfused ops).
+    under ``create_graph`` (force training: the backward's own backward is a fused kernel too).
     """
     rows, edges = dist.shape[0], edge_index.shape[1]
     if edges not in (rows, 2 * rows):
@@ -222,4 +274,4 @@ class TritonOps(TorchOps):
                 "torch's CUDA wheels); use model.ops=torch"
             )
         # imported now, before any torch.compile traces a model built with this flavour
-        from schnet_ipu.model.ops import triton_kernels  # noqa: F401
+        from schnet_ipu.model.ops import triton_kernels, triton_table_kernels  # noqa: F401
