@@ -67,16 +67,34 @@ def _hermite_filter(
     a Python float argument would be float32."""
     spacing = tl.load(spacing_ptr)
     k, t = knot_position(dist, spacing, num_knots)
-    h00, h10, h01, h11, d00, d10, d11 = hermite_basis(t)
+    basis = hermite_basis(t)
     ok = keep[:, None] & feat_ok[None, :]
     at = k[:, None] * num_features + feat[None, :]
+    v0, v1, m0, m1 = knot_rows(values_ptr, slopes_ptr, at, ok, spacing, num_features)
+    filt, slope = interpolate(v0, v1, m0, m1, basis, spacing)
+    h00, h10, h01, h11, _, _, _ = basis
+    return filt, slope, at, h00, h10, h01, h11, spacing
+
+
+@triton.jit
+def knot_rows(values_ptr, slopes_ptr, at, ok, spacing, num_features):
+    """A table's rows at the two knots around each length, [BLOCK_E, BLOCK_F] each:
+    (v_k, v_{k+1}, h s_k, h s_{k+1}); ``at`` the lower knot's offsets, zeros where not ``ok``."""
     v0 = tl.load(values_ptr + at, mask=ok, other=0.0)
     v1 = tl.load(values_ptr + at + num_features, mask=ok, other=0.0)
     m0 = tl.load(slopes_ptr + at, mask=ok, other=0.0) * spacing
     m1 = tl.load(slopes_ptr + at + num_features, mask=ok, other=0.0) * spacing
+    return v0, v1, m0, m1
+
+
+@triton.jit
+def interpolate(v0, v1, m0, m1, basis, spacing):
+    """The cubic through :func:`knot_rows` at the rows' positions and its derivative in the
+    length: (W, W') [BLOCK_E, BLOCK_F]; ``basis`` from :func:`hermite_basis`."""
+    h00, h10, h01, h11, d00, d10, d11 = basis
     filt = h00[:, None] * v0 + h10[:, None] * m0 + h01[:, None] * v1 + h11[:, None] * m1
     slope = (d00[:, None] * (v0 - v1) + d10[:, None] * m0 + d11[:, None] * m1) / spacing
-    return filt, slope, at, h00, h10, h01, h11, spacing
+    return filt, slope
 
 
 @triton.jit

@@ -40,7 +40,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from schnet_ipu.model.ops.triton_kernels import hermite_basis, knot_position, launch
+from schnet_ipu.model.ops.triton_kernels import (
+    hermite_basis,
+    interpolate,
+    knot_position,
+    knot_rows,
+    launch,
+)
 
 
 @triton.jit
@@ -65,29 +71,21 @@ def table_double_backward_kernel(
     ok = keep[:, None] & feat_ok[None, :]
     spacing = tl.load(spacing_ptr)
     k, t = knot_position(dist, spacing, num_knots)
-    h00, h10, h01, h11, d00, d10, d11 = hermite_basis(t)
+    basis = hermite_basis(t)
+    h00, h10, h01, h11, d00, d10, d11 = basis
     at = k[:, None] * num_features + feat[None, :]
-    v0 = tl.load(values_ptr + at, mask=ok, other=0.0)
-    v1 = tl.load(values_ptr + at + num_features, mask=ok, other=0.0)
-    m0 = tl.load(slopes_ptr + at, mask=ok, other=0.0) * spacing
-    m1 = tl.load(slopes_ptr + at + num_features, mask=ok, other=0.0) * spacing
-    rise = v0 - v1
-    filt = h00[:, None] * v0 + h10[:, None] * m0 + h01[:, None] * v1 + h11[:, None] * m1
-    slope = (d00[:, None] * rise + d10[:, None] * m0 + d11[:, None] * m1) / spacing
-    curve = (12.0 * t - 6.0)[:, None] * rise + (6.0 * t - 4.0)[:, None] * m0
+    v0, v1, m0, m1 = knot_rows(values_ptr, slopes_ptr, at, ok, spacing, num_features)
+    filt, slope = interpolate(v0, v1, m0, m1, basis, spacing)
+    curve = (12.0 * t - 6.0)[:, None] * (v0 - v1) + (6.0 * t - 4.0)[:, None] * m0
     curve = (curve + (6.0 * t - 2.0)[:, None] * m1) / (spacing * spacing)
     up_dist = tl.load(up_dist_ptr + rows, mask=keep, other=0.0)[:, None]
     variation = up_dist * slope  # B
     variation_slope = up_dist * curve  # dB/dd
-    if UP_TABLE:
-        u0 = tl.load(up_values_ptr + at, mask=ok, other=0.0)
-        u1 = tl.load(up_values_ptr + at + num_features, mask=ok, other=0.0)
-        n0 = tl.load(up_slopes_ptr + at, mask=ok, other=0.0) * spacing
-        n1 = tl.load(up_slopes_ptr + at + num_features, mask=ok, other=0.0) * spacing
-        variation += h00[:, None] * u0 + h10[:, None] * n0 + h01[:, None] * u1
-        variation += h11[:, None] * n1
-        up_rise = d00[:, None] * (u0 - u1) + d10[:, None] * n0 + d11[:, None] * n1
-        variation_slope += up_rise / spacing
+    if UP_TABLE:  # + Wu and Wu': the upstream table interpolated the same way
+        u0, u1, n0, n1 = knot_rows(up_values_ptr, up_slopes_ptr, at, ok, spacing, num_features)
+        up_filt, up_slope = interpolate(u0, u1, n0, n1, basis, spacing)
+        variation += up_filt
+        variation_slope += up_slope
     products = tl.zeros((BLOCK_E, BLOCK_F), dtype=filt.dtype)  # A
     up_products = tl.zeros((BLOCK_E, BLOCK_F), dtype=filt.dtype)  # A_u
     for direction in tl.static_range(2 if PAIRED else 1):
