@@ -45,7 +45,8 @@ from torch import Tensor, nn
 from torch.nn import Embedding, Linear
 
 from schnet_ipu.cell_list import neighbour_pairs
-from schnet_ipu.model.filter_table import filter_table, hermite_coefficients
+from schnet_ipu.model.blocks import EXPONENT_FLOOR
+from schnet_ipu.model.filter_table import filter_tables, hermite_coefficients
 from schnet_ipu.model.ops import fused_table
 from schnet_ipu.model.schnet import EMBEDDING_ROWS
 from schnet_ipu.model_file import TrainedModel
@@ -60,17 +61,19 @@ class ShiftedSoftplus(nn.Module):
 
 
 class DistanceExpansion(nn.Module):
-    """Gaussians on 0..cutoff, as the training model's (exponent floored at -87)."""
+    """Gaussians on 0..cutoff, as the training model's (exponent floored at
+    ``EXPONENT_FLOOR``)."""
 
     def __init__(self, cutoff: float, num_gaussians: int) -> None:
         super().__init__()
         offset = torch.linspace(0.0, cutoff, num_gaussians)
         self.coeff = -0.5 / (offset[1] - offset[0]).item() ** 2
+        self.floor = EXPONENT_FLOOR  # an attribute: TorchScript reads no module globals
         self.register_buffer("offset", offset)
 
     def forward(self, dist: Tensor) -> Tensor:
         exponent = self.coeff * (dist.unsqueeze(-1) - self.offset).square()
-        return torch.exp(exponent.clamp(min=-87.0))
+        return torch.exp(exponent.clamp(min=self.floor))
 
 
 class Convolution(nn.Module):
@@ -261,12 +264,11 @@ class PortableSchNet(nn.Module):
         module.load_state_dict(kept)
         module = module.double()
         if points:
-            expansion = module.distance_expansion
+            blocks = list(module.interactions)
+            mlps = [block.mlp for block in blocks]
             with torch.no_grad():
-                for block in module.interactions:
-                    values, slopes = filter_table(
-                        block.mlp, expansion.offset, expansion.coeff, module.cutoff, points
-                    )
+                tables = filter_tables(mlps, module.distance_expansion, module.cutoff, points)
+                for block, values, slopes in zip(blocks, *tables):
                     block.coefficients = hermite_coefficients(values, slopes, module.cutoff)
         module = module.to(dtype).eval()
         reference = torch.tensor(spec.transform.atom_reference, dtype=torch.float64)

@@ -14,7 +14,7 @@ from schnet_ipu.config import ConfigError, load_config
 from schnet_ipu.data import MoleculeStore
 from schnet_ipu.data.water_sampled import generate_water_sampled
 from schnet_ipu.model import SchNet
-from schnet_ipu.model.filter_table import filter_table, grid_position, hermite_filter
+from schnet_ipu.model.filter_table import filter_tables, grid_position, hermite_filter
 from schnet_ipu.model.ops import fused_table, ipu_ops, torch_ops
 from schnet_ipu.response import energy_response
 
@@ -39,21 +39,23 @@ def paper_model(graph: str, filter_: str, points: int = 256, **kwargs) -> SchNet
 
 
 def test_table_is_the_filter_and_its_exact_derivative():
+    """Every block's table (all built in one batched pass) is that block's own filter."""
     model = paper_model("radius", "exact").double()
-    block = model.interactions[1].conv
-    expansion = model.distance_expansion
-    values, slopes = filter_table(block.nn, expansion.offset, expansion.coeff, CUTOFF, 97)
+    blocks = [interaction.conv for interaction in model.interactions]
+    tables = filter_tables([block.nn for block in blocks], model.distance_expansion, CUTOFF, 97)
+    assert tables[0].shape == tables[1].shape == (len(blocks), 97, 100)
     grid = (torch.arange(97, dtype=torch.float64) * (CUTOFF / 96)).requires_grad_(True)
     mask = torch.ones(97, dtype=torch.bool)
     rbf, cut = model.edge_features(grid, mask)
-    exact = block.filter(rbf, cut)  # [K, F]
-    torch.testing.assert_close(values, exact, rtol=1e-12, atol=1e-12)
-    # dW_f/dd at every grid point by reverse mode, one feature at a time
-    derivative = torch.stack(
-        [torch.autograd.grad(exact[:, f].sum(), grid, retain_graph=True)[0] for f in range(100)],
-        dim=1,
-    )
-    torch.testing.assert_close(slopes, derivative, rtol=1e-10, atol=1e-12)
+    for block, values, slopes in zip(blocks, *tables):
+        exact = block.filter(rbf, cut)  # [K, F]
+        torch.testing.assert_close(values, exact, rtol=1e-12, atol=1e-12)
+        # dW_f/dd at every grid point by reverse mode, one feature at a time
+        columns = [exact[:, f].sum() for f in range(100)]
+        derivative = torch.stack(
+            [torch.autograd.grad(c, grid, retain_graph=True)[0] for c in columns], dim=1
+        )
+        torch.testing.assert_close(slopes, derivative, rtol=1e-10, atol=1e-12)
 
 
 def test_grid_position_follows_the_contract():

@@ -174,6 +174,25 @@ def test_force_training_equals_unfused_ops(structures, data, dtype, monkeypatch)
         assert np.isfinite(error) and error <= tolerance, (name, error)
 
 
+def test_force_pass_skips_the_coefficient_gradient(structures, monkeypatch):
+    """The force pass (autograd.grad to positions) never reaches the table's parameters, so
+    its backward loop leaves the coefficient gradient out; the loss pass computes it."""
+    asked = []
+    run_backward = fused_table._run_backward
+
+    def spy(*args):
+        asked.append(args[-1])  # need_coeffs
+        return run_backward(*args)
+
+    monkeypatch.setattr(fused_table, "_run_backward", spy)
+    model = table_model(torch.float64)
+    batch = structures["emt"]
+    force_training_pass(model, dataclasses.replace(batch, pos=batch.pos.double()), False)
+    blocks = len(model.interactions)
+    # per block: the force pass's backward, then the loss pass through the energy
+    assert sorted(asked) == [False] * blocks + [True] * blocks
+
+
 @pytest.mark.skipif(not fused_table.CUSTOM_OPS, reason="torch.library.custom_op: torch >= 2.4")
 def test_compiled_table_conv_keeps_the_fused_loops(monkeypatch):
     """torch.compile (fullgraph, AOTAutograd with fake tensors) of the torch flavour's

@@ -44,6 +44,7 @@ from schnet_ipu.model.blocks import (
     widen,
 )
 from schnet_ipu.model.dense import dense_graph
+from schnet_ipu.model.filter_table import filter_tables
 from schnet_ipu.model.ops import get_ops
 
 EMBEDDING_ROWS = 100  # rows of the atom embedding and atomref (PyG's 100); row 0: padding atom
@@ -248,15 +249,21 @@ class SchNet(nn.Module):
         else:
             pair_symmetric = self.graph == "radius" and self.pair_symmetric
             edge_index, dist, edge_mask = self.interaction_graph(batch, pair_symmetric)
-        edges: ExactEdges | TabulatedEdges
+        block_edges: list[ExactEdges] | list[TabulatedEdges]
         if self.filter == "table":
-            cutoff, points = self.cutoff, self.filter_points
-            edges = TabulatedEdges(dist, edge_mask, self.distance_expansion, cutoff, points)
+            mlps = [interaction.mlp for interaction in self.interactions]
+            tables = filter_tables(mlps, self.distance_expansion, self.cutoff, self.filter_points)
+            block_edges = [
+                TabulatedEdges(dist, edge_mask, values, slopes, self.cutoff)
+                for values, slopes in zip(*tables)
+            ]
         else:
-            edges = ExactEdges(*self.edge_features(dist, edge_mask))
+            block_edges = [ExactEdges(*self.edge_features(dist, edge_mask))] * len(
+                self.interactions
+            )
 
         h = self.embedding(batch.z)  # [N, H]
-        for interaction in self.interactions:
+        for interaction, edges in zip(self.interactions, block_edges):
             h = h + interaction(h, edge_index, edges, knn)
 
         out = widen(self.lin2(self.act(self.lin1(h)))).view(num_nodes)  # [N], fp32 readout

@@ -97,6 +97,25 @@ def _or_none(tensors: tuple[Tensor, ...], needs: list[bool]) -> list[Tensor | No
     return [tensor if need else None for tensor, need in zip(tensors, needs)]
 
 
+def _engine_needs(ctx, position: int, tensor: Tensor) -> bool:
+    """Whether the running backward pass uses the gradient of input ``position``, ``tensor``.
+
+    ``ctx.needs_input_grad`` says only whether the input requires grad. The force pass of
+    force training, ``autograd.grad(energy, pos, create_graph=True)``, never reaches the
+    table's parameters (the table does not depend on positions), so there the coefficient
+    gradient, an [K - 1, 4, F] accumulation over every edge, would be computed and thrown
+    away. The engine knows which nodes the current pass will run:
+    ``torch._C._will_engine_execute_node``, which torch's own
+    ``torch.autograd.graph.register_multi_grad_hook`` uses for the same question (private,
+    present since torch 2.0). It refuses leaves under ``autograd.grad``, so a leaf tensor's
+    gradient counts as needed (in a model the coefficients are never a leaf: they are
+    computed from the filter networks).
+    """
+    if not ctx.needs_input_grad[position]:
+        return False
+    return tensor.grad_fn is None or torch._C._will_engine_execute_node(tensor.grad_fn)
+
+
 # --- autograd on torch < 2.4: autograd.Function ------------------------------------------
 
 
@@ -112,7 +131,7 @@ class _TableConvFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         x, edge_index, coeffs, index, t, mask = ctx.saved_tensors
-        needs = [ctx.needs_input_grad[i] for i in (0, 2, 4)]
+        needs = [ctx.needs_input_grad[0], _engine_needs(ctx, 2, coeffs), ctx.needs_input_grad[4]]
         grads = _TableConvBackwardFunction.apply(grad, x, edge_index, coeffs, index, t, mask, needs)
         return grads[0], None, grads[1], None, grads[2], None
 
