@@ -14,10 +14,11 @@ state dict loads unchanged. What differs is how the work is laid out:
 * k-nearest-neighbour graphs are searched on the device inside each pack;
 * ``message_passing="dense"`` swaps the edge list for one [M, M] block of pairs per pack
   (:mod:`schnet_ipu.model.dense`): the same filters and masks, no gather or scatter;
-* ``filter="table"`` evaluates each block's filter network on a grid of ``filter_points``
-  distances once per forward pass and interpolates it per edge (cubic Hermite, C^1:
-  :mod:`schnet_ipu.model.filter_table`), summed by the flavour's ``table_conv``; the same
-  parameters, so a state dict moves freely between ``exact`` and ``table``;
+* ``filter="table"`` evaluates every block's filter network on a grid of ``filter_points``
+  distances once per forward pass (all blocks in one batched pass) and interpolates it per
+  edge (cubic Hermite, C^1: :mod:`schnet_ipu.model.filter_table`), summed by the flavour's
+  ``table_conv``; the same parameters, so a state dict moves freely between ``exact`` and
+  ``table``;
 * padding atoms, edges and molecule slots are inert: they never reach a real molecule's
   prediction or its gradient.
 
