@@ -102,14 +102,15 @@ def predictions(task: Task, backend: Evaluator, loader) -> Iterator[Predictions]
 
 
 def error_sums(task: Task, parts: Iterator[Predictions]) -> Tensor:
-    """float64 [11]: sums of |error|, error^2, (error / scale)^2, molecules, |error| / atoms,
+    """float64 [13]: sums of |error|, error^2, (error / scale)^2, molecules, |error| / atoms,
     |force component error|, force components, frames with forces, |stress component
-    error|, stress components, frames with stress; they add up over batches and replicas."""
-    sums = torch.zeros(11, dtype=torch.float64)
+    error|, stress components, frames with stress, force component error^2, stress
+    component error^2; they add up over batches and replicas."""
+    sums = torch.zeros(13, dtype=torch.float64)
     for p in parts:
         error = p.energy - p.energy_true
-        force_error = 0.0 if p.forces is None else np.abs(p.forces - p.forces_true).sum()
-        stress_error = 0.0 if p.stress is None else np.abs(p.stress - p.stress_true).sum()
+        force_error = np.zeros(0) if p.forces is None else (p.forces - p.forces_true).ravel()
+        stress_error = np.zeros(0) if p.stress is None else (p.stress - p.stress_true).ravel()
         sums += torch.tensor(
             [
                 np.abs(error).sum(),
@@ -117,12 +118,14 @@ def error_sums(task: Task, parts: Iterator[Predictions]) -> Tensor:
                 ((error / task.transform.scale) ** 2).sum(),
                 len(error),
                 (np.abs(error) / p.atoms).sum(),
-                force_error,
-                0 if p.forces is None else p.forces.size,
+                np.abs(force_error).sum(),
+                force_error.size,
                 0 if p.forces is None else p.force_frames,
-                stress_error,
-                0 if p.stress is None else p.stress.size,
+                np.abs(stress_error).sum(),
+                stress_error.size,
                 0 if p.stress is None else len(p.stress),
+                np.square(force_error).sum(),
+                np.square(stress_error).sum(),
             ],
             dtype=torch.float64,
         )
@@ -130,18 +133,22 @@ def error_sums(task: Task, parts: Iterator[Predictions]) -> Tensor:
 
 
 def metrics_from_sums(task: Task, sums: Tensor, split: str) -> dict[str, float]:
-    """mae, rmse, loss (the standardised energy error, comparable with the training loss),
-    molecules; with forces also energy_mae_per_atom, force_frames (frames with target
-    forces) and force_mae over their atoms; with stress, stress_frames and stress_mae. An
-    MAE over no frame is left out (its frame count, 0, says why)."""
+    """mae, rmse, loss (the task's objective, :meth:`~schnet_ipu.task.Task.objective`: the
+    training loss on the split, force and stress terms included; its energy term is the
+    squared error also under ``optim.energy_loss=l1``), molecules; with forces
+    also energy_mae_per_atom, force_frames (frames with target forces) and force_mae over
+    their atoms; with stress, stress_frames and stress_mae. An MAE over no frame is left
+    out (its frame count, 0, says why)."""
     abs_sum, sq_sum, loss_sum, count, per_atom = sums[:5].tolist()
-    f_abs, components, f_frames, s_abs, s_count, s_frames = sums[5:].tolist()
+    f_abs, components, f_frames, s_abs, s_count, s_frames, f_sq, s_sq = sums[5:].tolist()
     if count == 0:
         raise ConfigError(f"the {split} split has no molecules to evaluate")
+    force_mse = f_sq / components if components else 0.0
+    stress_mse = s_sq / s_count if s_count else 0.0
     metrics = {
         "mae": abs_sum / count,
         "rmse": math.sqrt(sq_sum / count),
-        "loss": loss_sum / count,
+        "loss": task.objective(loss_sum / count, force_mse, stress_mse),
         "molecules": int(count),
     }
     if task.with_forces:

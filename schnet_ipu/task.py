@@ -85,6 +85,12 @@ class Task(Protocol):
     def loss(self, model: nn.Module, batch: Batch) -> Tensor:
         """Differentiable scalar: the backends' ``loss_fn``."""
 
+    def objective(self, energy: float, force_mse: float, stress_mse: float) -> float:
+        """:meth:`loss`'s value from a split's errors: ``energy`` the mean standardised
+        squared energy error, ``force_mse`` and ``stress_mse`` the mean squared force and
+        stress component errors over the frames that carry them (0 where none), in the
+        store's units. Validation's ``loss`` and the divergence guard's yardstick."""
+
     def training_metrics(self) -> dict[str, float]:
         """Errors summed inside :meth:`loss` since :meth:`reset` (empty when none)."""
 
@@ -108,6 +114,9 @@ class EnergyTask:
 
     def loss(self, model: nn.Module, batch: Batch) -> Tensor:
         return self.energy_loss(model(batch), batch.y, batch.graph_mask, self.transform.scale)
+
+    def objective(self, energy: float, force_mse: float, stress_mse: float) -> float:
+        return energy
 
     def training_metrics(self) -> dict[str, float]:
         return {}
@@ -189,6 +198,12 @@ class EnergyForceTask:
         if response.stress is None:
             return loss
         return loss + self.stress_weight * self._stress_loss(response.stress, batch)
+
+    def objective(self, energy: float, force_mse: float, stress_mse: float) -> float:
+        value = energy + self.weight * force_mse / self.force_scale**2
+        if self.stress_scale is None:
+            return value
+        return value + self.stress_weight * stress_mse / self.stress_scale**2
 
     def _stress_loss(self, stress: Tensor, batch: Batch) -> Tensor:
         """Mean over the slots with target stress of |S - S_ref|^2 / (9 s_S^2)."""

@@ -170,6 +170,24 @@ def test_loss_is_the_masked_loss_by_hand(mixed_store):
     assert loss == pytest.approx(expected, rel=1e-5)
 
 
+def test_validation_loss_is_the_training_objective(mixed_store):
+    """Evaluation's ``loss`` (the divergence guard's yardstick) is the training loss on the
+    same frames, force and stress terms included, not the energy term alone."""
+    store = MoleculeStore(mixed_store)
+    loader = PackedLoader(periodic_dataset(store))
+    torch.manual_seed(0)
+    per_atom = float(np.mean(store.target("energy") / store.num_atoms))
+    model = SchNet(8, 8, 1, 6, 5.0, graph="radius", ops="torch", mean=per_atom, std=0.5)
+    task = EnergyForceTask(TargetTransform((0.0,) * 119, 2.0), 0.7, 100.0, 0.02, 100.0)
+    training = float(task.loss(model, stack_batches(epoch_batches(loader, 0))))
+    sums = error_sums(task, predictions(task, HostModel(model, torch.device("cpu")), loader))
+    loss = metrics_from_sums(task, sums, "val")["loss"]
+    energy_only = EnergyForceTask(TargetTransform((0.0,) * 119, 2.0), 0.7, 0.0, 0.02, 0.0)
+    energy_term = metrics_from_sums(energy_only, sums, "val")["loss"]
+    assert loss == pytest.approx(training, rel=1e-5)
+    assert loss > 1.5 * energy_term > 0  # the force and stress terms count
+
+
 def test_metrics_count_the_frames_that_carry_each_label(mixed_store):
     store = MoleculeStore(mixed_store)
     torch.manual_seed(0)
