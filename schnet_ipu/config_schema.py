@@ -105,9 +105,10 @@ class OptimConfig:
     ema_decay: float = 0.0  # average of the weights for validation, test and model files; 0 = off
     # divergence guard (schnet_ipu/guard.py): a read of the step losses (every logging.log_every
     # host calls) above spike_factor x the median of the last spike_window reads, or a
-    # validation loss above spike_factor x the best, rolls back to the last good weights and
-    # optimiser state (kept in memory) and multiplies the lr by spike_lr_factor; a spike after
-    # spike_rollbacks rollbacks stops the run (exit 2, best.pt kept)
+    # validation loss above spike_factor x the median of the last spike_window validations,
+    # rolls back to the last good weights and optimiser state (kept in memory) and multiplies
+    # the lr by spike_lr_factor; a spike after spike_rollbacks rollbacks stops the run (exit 2,
+    # best.pt kept)
     spike_guard: bool = True
     spike_factor: float = 10.0
     spike_window: int = 20

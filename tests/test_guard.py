@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import re
+import statistics
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 from helpers import Killed, kill_after_first_checkpoint, load_script, qm9_smoke_overrides
 
 from schnet_ipu.config import load_config
+from schnet_ipu.guard import SpikeGuard, Trainee
 from schnet_ipu.runlog import read_records
 from schnet_ipu.training import TrainingError, train
 
@@ -142,3 +144,19 @@ def test_a_run_that_does_not_beat_the_dressed_atom_baseline_fails(qm9_small, tmp
         load_config(None, tiny(qm9_small, tmp_path / "b", *args, "optim.beat_baseline=false"))
     )
     assert accepted["test_mae"] == final["test_mae"]
+
+
+def test_validations_are_judged_against_the_median_of_recent_ones(tmp_path):
+    """Force training's validation loss swings by 6-17x from epoch to epoch (these are the
+    EMT force config's at lr 2e-3): not spikes, though the last is 10x the best so far; a
+    loss 10x their median is."""
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.Adam(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    trainee = Trainee(model, optimizer, scheduler, None, backend=None)  # no rollback here
+    guard = SpikeGuard(load_config(None).optim, trainee, tmp_path / "best.pt")
+    swings = [0.0116, 0.0838, 0.0211, 0.00498, 0.0291, 0.0504]
+    assert [guard.check_validation(loss, step) for step, loss in enumerate(swings)] == [None] * 6
+    spike = guard.check_validation(0.4, 6)
+    assert spike is not None and spike.reference == pytest.approx(statistics.median(swings))
+    assert spike.reference_name == "median of 6 validations"
