@@ -247,8 +247,8 @@ class SpikeGuard:
         return None
 
     def check_validation(self, val_loss: float, step: int) -> Spike | None:
-        """A validation's standardised loss: a spike, or None after making the state the
-        target of later rollbacks."""
+        """A validation's loss (the training objective on the split): a spike, or None after
+        making the state the target of later rollbacks."""
         reference, name = math.inf, "no validation yet"
         if self.validations:
             reference = statistics.median(self.validations)
