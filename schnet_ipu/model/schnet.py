@@ -259,9 +259,8 @@ class SchNet(nn.Module):
                 for values, slopes in zip(*tables)
             ]
         else:
-            block_edges = [ExactEdges(*self.edge_features(dist, edge_mask))] * len(
-                self.interactions
-            )
+            shared = ExactEdges(*self.edge_features(dist, edge_mask))  # one for every block
+            block_edges = [shared] * len(self.interactions)
 
         h = self.embedding(batch.z)  # [N, H]
         for interaction, edges in zip(self.interactions, block_edges):

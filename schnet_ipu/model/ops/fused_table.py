@@ -109,7 +109,9 @@ def _engine_needs(ctx, position: int, tensor: Tensor) -> bool:
     ``torch.autograd.graph.register_multi_grad_hook`` uses for the same question (private,
     present since torch 2.0). It refuses leaves under ``autograd.grad``, so a leaf tensor's
     gradient counts as needed (in a model the coefficients are never a leaf: they are
-    computed from the filter networks).
+    computed from the filter networks). Only the eager path asks: the custom operators run
+    under ``torch.compile``, whose backward is traced before any engine runs it, and
+    compiled steps are energy steps, which need the coefficient gradient.
     """
     if not ctx.needs_input_grad[position]:
         return False
