@@ -216,3 +216,21 @@ def test_compiled_table_conv_keeps_the_fused_loops(monkeypatch):
     assert len(calls) >= 2  # the compiled call and the eager one both ran the loop
     for got, want in zip(*results):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_table_coefficients_backward_equals_autograd_of_the_plain_version():
+    """The written-out backward of the Hermite stage against autograd through
+    ``hermite_coefficients``, and itself differentiable (gradgradcheck, float64)."""
+    values = torch.randn(7, 3, dtype=torch.float64, requires_grad=True)
+    slopes = torch.randn(7, 3, dtype=torch.float64, requires_grad=True)
+    up = torch.randn(6, 4, 3, dtype=torch.float64)
+    fast = fused_table.table_coefficients(values, slopes, 2.0)
+    plain = hermite_coefficients(values, slopes, 2.0)
+    torch.testing.assert_close(fast, plain, rtol=0, atol=0)
+    got = torch.autograd.grad(fast, (values, slopes), up)
+    want = torch.autograd.grad(plain, (values, slopes), up)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradgradcheck(
+        lambda v, s: fused_table.table_coefficients(v, s, 2.0), (values, slopes)
+    )

@@ -253,10 +253,12 @@ class SchNet(nn.Module):
         block_edges: list[ExactEdges] | list[TabulatedEdges]
         if self.filter == "table":
             mlps = [interaction.mlp for interaction in self.interactions]
-            tables = filter_tables(mlps, self.distance_expansion, self.cutoff, self.filter_points)
-            block_edges = [
-                TabulatedEdges(dist, edge_mask, values, slopes, self.cutoff)
-                for values, slopes in zip(*tables)
+            values, slopes = filter_tables(  # [B, K, F]
+                mlps, self.distance_expansion, self.cutoff, self.filter_points
+            )
+            block_edges = [  # unbind's backward is one stack; a select's zero-fills [B, K, F]
+                TabulatedEdges(dist, edge_mask, block_values, block_slopes, self.cutoff)
+                for block_values, block_slopes in zip(values.unbind(0), slopes.unbind(0))
             ]
         else:
             shared = ExactEdges(*self.edge_features(dist, edge_mask))  # one for every block

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from schnet_ipu.model.filter_table import grid_position, hermite_coefficients, hermite_filter
+from schnet_ipu.model.filter_table import grid_position, hermite_filter
 from schnet_ipu.model.ops import fused_table
 from schnet_ipu.model.ops.common import LOG2, SharedOps, edge_distance
 from schnet_ipu.model.ops.common import is_compiling as _is_compiling
@@ -200,7 +200,7 @@ def table_conv(
     fused_here = fused_table.CUSTOM_OPS or not _is_compiling()
     if fused_table.AVAILABLE and x.device.type == "cpu" and fused_here:
         index, t = grid_position(dist, values.shape[0], cutoff)
-        coeffs = hermite_coefficients(values, slopes, cutoff)
+        coeffs = fused_table.table_coefficients(values, slopes, cutoff)
         return fused_table.fused_table_conv(x, edge_index, coeffs, index, t, edge_mask)
     return table_conv_unfused(x, edge_index, dist, edge_mask, values, slopes, cutoff)
 
