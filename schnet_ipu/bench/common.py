@@ -28,6 +28,7 @@ from schnet_ipu.backends import init_replica
 from schnet_ipu.config import Config, ModelConfig, apply_override, validate
 from schnet_ipu.data import MoleculeStore, generate_water, make_split
 from schnet_ipu.loader import PackedLoader
+from schnet_ipu.model import SchNet
 from schnet_ipu.pipeline import PreparedData, make_loader, prepare_data
 
 QM9_STORE = "data/qm9.h5"
@@ -82,6 +83,27 @@ def measure_side_by_side(steps: dict[str, Callable[[], int]], timing: Timing) ->
 
 def ratio(a: float, b: float) -> float | None:
     return a / b if b else None
+
+
+def schnet(size: ModelConfig, **options: Any) -> SchNet:
+    """Our SchNet of ``size`` (its first five hyperparameters) with ``options``."""
+    return SchNet(size.hidden_channels, size.num_filters, size.num_interactions,
+                  size.num_gaussians, size.cutoff, **options)  # fmt: skip
+
+
+def fwd_bwd(
+    model: torch.nn.Module, loss: Callable[[], torch.Tensor], count: int = 1, optimizer=None
+) -> Callable[[], int]:
+    """A timer step: ``loss()`` (the forward pass) and its backward (and ``optimizer``'s step)."""
+
+    def step() -> int:
+        model.zero_grad(set_to_none=True)
+        loss().backward()
+        if optimizer is not None:
+            optimizer.step()
+        return count
+
+    return step
 
 
 def our_trainer(
