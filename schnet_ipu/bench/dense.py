@@ -1,18 +1,17 @@
 """Dense vs sparse message passing: training molecules/s on QM9 and water, side by side,
-through the real pipeline at each graph's default packing (sparse and dense read the same
-packs). Pair efficiency = real pairs / pairs the layout computes.
-"""
+through the real pipeline at each graph's default packing (both read the same packs).
+Measured (``--quick``, 2-core CPU): dense 0.42x sparse on QM9 radius packs of 106 atoms (15%
+of the computed pairs real), 0.90x on QM9 knn packs of 36 atoms."""
 
 from __future__ import annotations
 
-import tempfile
+import itertools
 from pathlib import Path
 
 import torch
 
 from schnet_ipu.bench import common
 from schnet_ipu.config import ModelConfig
-from schnet_ipu.data import generate_water
 from schnet_ipu.model.dense import dense_graph, pair_efficiency
 
 GRAPHS = {"radius": "tuple", "knn": "lpfhp"}  # graph -> its default packing algorithm
@@ -44,14 +43,10 @@ def variant(store: str, sample: int, size: ModelConfig, overrides: list[str], ba
         efficiency = int(mask.sum()) / (first.num_nodes * model.k)
     else:
         efficiency = int(first.edge_mask.sum()) / first.edge_mask.numel()
-    row = {
-        "max_nodes": plan.max_nodes,
-        "packs_per_batch": cfg.packing.packs_per_batch,
-        "pair_efficiency": efficiency,
-        "per_molecule_block_efficiency": int(mask.sum()) / (len(sizes) * largest**2),
-        "real_pairs": int(mask.sum()),
-        "largest_molecule": largest,
-    }
+    row = {"max_nodes": plan.max_nodes, "packs_per_batch": cfg.packing.packs_per_batch,
+           "pair_efficiency": efficiency,
+           "per_molecule_block_efficiency": int(mask.sum()) / (len(sizes) * largest**2),
+           "real_pairs": int(mask.sum()), "largest_molecule": largest}  # fmt: skip
     return row, common.training_step(loader, backend)
 
 
@@ -60,38 +55,28 @@ def run(
     water_sizes: tuple[int, int] = (3, 20), batch_molecules: int = 32,
     size: ModelConfig | None = None, timing: common.Timing | None = None,
 ) -> dict:  # fmt: skip
-    """QM9 (a fixed random sample) and a temporary synthetic water store; every data set,
-    graph and layout timed side by side."""
+    """Every data set (QM9 sample, temporary water store), graph and layout side by side."""
     size = size or ModelConfig()
     timing = timing or common.Timing(warmup=2, steps=6, repeats=3)
     rows, steps = [], {}
-    with tempfile.TemporaryDirectory() as tmp:
-        water = generate_water(Path(tmp) / "water.h5", water_clusters, water_sizes)
-        water_sample = int(0.9 * water_clusters) - 1
-        stores = {
-            "qm9": (str(store), sample, []),
-            "water": (str(water), water_sample, WATER),
-        }
-        for dataset, (path, count, extra) in stores.items():
-            for graph, packing in GRAPHS.items():
-                for layout in ("sparse", "dense"):
-                    overrides = [
-                        *extra,
-                        f"model.graph={graph}",
-                        f"packing.algorithm={packing}",
-                        f"model.message_passing={layout}",
-                    ]
-                    row, step = variant(path, count, size, overrides, batch_molecules)
-                    row.update(dataset=dataset, graph=graph, message_passing=layout)
-                    row["label"] = f"{dataset}/{graph}/{layout}"
-                    rows.append(row)
-                    steps[row["label"]] = step
+    with common.qm9_and_water(store, sample, water_clusters, water_sizes) as datasets:
+        # data set -> (training sample, overrides)
+        setups = {"qm9": (sample, []), "water": (int(0.9 * water_clusters) - 1, WATER)}
+        for dataset, graph, layout in itertools.product(setups, GRAPHS, ("sparse", "dense")):
+            count, extra = setups[dataset]
+            overrides = [*extra, f"model.graph={graph}", f"packing.algorithm={GRAPHS[graph]}",
+                         f"model.message_passing={layout}"]  # fmt: skip
+            path = str(datasets[dataset][0])
+            row, step = variant(path, count, size, overrides, batch_molecules)
+            row.update(dataset=dataset, graph=graph, message_passing=layout)
+            row["label"] = f"{dataset}/{graph}/{layout}"
+            rows.append(row)
+            steps[row["label"]] = step
         rates = common.measure_side_by_side(steps, timing)
+    ratios = {}
     for row in rows:
         rate = rates[row["label"]]
         row.update(molecules_per_s=rate.molecules_per_s, step_ms=1000 * rate.step_seconds)
-    ratios = {}
-    for row in rows:
         if row["message_passing"] == "dense":
             sparse = rates[row["label"].replace("/dense", "/sparse")].molecules_per_s
             row["dense_vs_sparse"] = row["molecules_per_s"] / sparse

@@ -1,11 +1,7 @@
-"""Stock PyG SchNet, the baseline of the throughput, model, loader, gpu and accuracy suites.
-
-``torch_geometric.nn.models.SchNet`` as a PyG user gets it out of the box, on
-``torch_geometric.loader.DataLoader`` batches of ``Data`` objects read from our store. Its
-default radius graph needs torch-cluster, which is not installed, so it is given an
-``interaction_graph`` in pure torch (:class:`RadiusInteractionGraph`, built inside the
-timed step as PyG's own would be).
-"""
+"""Stock PyG SchNet, the baseline of the throughput, model, loader, gpu and accuracy suites:
+``torch_geometric.nn.models.SchNet`` out of the box on its ``DataLoader`` over our store's
+molecules. Its default radius graph needs torch-cluster (not installed): it gets one in pure
+torch (:class:`RadiusInteractionGraph`, built inside the timed step as PyG's own would be)."""
 
 from __future__ import annotations
 
@@ -36,8 +32,7 @@ class RadiusInteractionGraph:
 
 
 def items(data: PreparedData, split: str = "train", limit: int | None = None) -> list:
-    """A split's molecules (up to ``limit``) as PyG ``Data`` (z, pos, y: the target less the
-    atom references), held in memory."""
+    """A split's molecules (up to ``limit``) as PyG ``Data``: z, pos, y (less atom references)."""
     from torch_geometric.data import Data
 
     rows = []
@@ -49,31 +44,20 @@ def items(data: PreparedData, split: str = "train", limit: int | None = None) ->
 
 
 def schnet(size: ModelConfig, interaction_graph: Callable | None = None, **extra):
-    """PyG's SchNet of our model's size (``extra``: e.g. ``mean``/``std``); its interaction
-    graph defaults to :class:`RadiusInteractionGraph`."""
+    """PyG's SchNet of our size (``extra``: e.g. ``mean``), by default radius edges in torch."""
     from torch_geometric.nn.models import SchNet
 
-    return SchNet(
-        hidden_channels=size.hidden_channels,
-        num_filters=size.num_filters,
-        num_interactions=size.num_interactions,
-        num_gaussians=size.num_gaussians,
-        cutoff=size.cutoff,
-        interaction_graph=interaction_graph or RadiusInteractionGraph(size.cutoff),
-        **extra,
-    )
+    return SchNet(size.hidden_channels, size.num_filters, size.num_interactions,
+                  size.num_gaussians, size.cutoff,
+                  interaction_graph=interaction_graph or RadiusInteractionGraph(size.cutoff),
+                  **extra)  # fmt: skip
 
 
 def training_step(
-    data: PreparedData,
-    size: ModelConfig,
-    batch_size: int = 32,
-    device: str = "cpu",
+    data: PreparedData, size: ModelConfig, batch_size: int = 32, device: str = "cpu",
     train_items: list | None = None,
-) -> Callable[[], int]:
-    """One training step of stock PyG SchNet on the same molecules, targets and standardised
-    loss as ours, torch's default Adam at 1e-3 (``train_items`` from :func:`items`, read here
-    when not given); returns the molecules trained."""
+) -> Callable[[], int]:  # fmt: skip
+    """A timer step of stock PyG SchNet: our molecules and standardised loss, Adam 1e-3."""
     from torch_geometric.loader import DataLoader
 
     loader = DataLoader(train_items or items(data), batch_size=batch_size, shuffle=True)
@@ -81,7 +65,6 @@ def training_step(
     model = schnet(size).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     scale = data.residual_std
-
     stream = (batch for _ in itertools.count() for batch in loader)  # reshuffled each epoch
 
     def step() -> int:
@@ -102,9 +85,8 @@ def mae(model: torch.nn.Module, rows: list) -> float:
     from torch_geometric.loader import DataLoader
 
     model.eval()
-    errors = []
     with torch.no_grad():
-        for batch in DataLoader(rows, batch_size=128):
-            errors.append((model(batch.z, batch.pos, batch.batch) - batch.y.view(-1, 1)).abs())
+        errors = [(model(b.z, b.pos, b.batch) - b.y.view(-1, 1)).abs()
+                  for b in DataLoader(rows, batch_size=128)]  # fmt: skip
     model.train()
     return float(torch.cat(errors).mean())

@@ -1,10 +1,7 @@
-"""The one replica runner: R spawned processes (a gloo group on CPU) that set up their
-variants once, then run one of them on request from this process, all R in lockstep.
-
-So a replicated variant is timed by the same interleaved timer as the in-process ones (while
-the others run, the replicas wait idle on a pipe), and a measurement that runs inside the
-group (the balance suite's epochs) is one request whose answer is every rank's result.
-"""
+"""The one replica runner: R spawned processes (a gloo group on CPU) that set up their variants
+once, then run one on request, all R in lockstep: a replicated variant is timed by the same
+interleaved timer as the in-process ones (the replicas wait idle on a pipe meanwhile), and a
+measurement inside the group (balance's epochs) is one request answered by every rank."""
 
 from __future__ import annotations
 
@@ -20,8 +17,7 @@ Setup = Callable[..., "tuple[Any, dict[str, Callable[[], Any]]]"]
 
 
 class Replicas:
-    """``count`` replica processes running ``setup(rank, count, *args)``; ``facts`` holds
-    what each rank's setup reported, :meth:`call` runs one of its calls on every rank."""
+    """``count`` replicas running ``setup(rank, count, *args)``; ``facts``: each rank's facts."""
 
     def __init__(self, count: int, setup: Setup, *args: object) -> None:
         ends = [mp.get_context("spawn").Pipe() for _ in range(count)]
@@ -66,9 +62,7 @@ def _serve(rank: int, conns: list, setup: Setup, args: tuple) -> None:
     try:
         facts, calls = setup(rank, len(conns), *args)
         conn.send(facts)
-        name = conn.recv()
-        while name is not None:
+        for name in iter(conn.recv, None):
             conn.send(calls[name]())
-            name = conn.recv()
     finally:
         shutdown_replica()

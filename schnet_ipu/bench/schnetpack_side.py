@@ -3,14 +3,12 @@
 
 Its stock MD17-style recipe, read from schnetpack v2.1.1: ``ASEAtomsData`` (our frames and
 split) in ``AtomsDataModule``, batch 10, the transforms of ``configs/experiment/md17.yaml``
-(atom references: our per-element fit, as its QM9 recipe does); ``NeuralNetworkPotential``
-of our size with ``Atomwise`` and ``Forces``
-(``examples/tutorials/tutorial_03_force_models.ipynb``); ``AtomisticTask``, MSE weighted
-0.01/0.99, AdamW 5e-4, ``configs/task/scheduler/reduce_on_plateau.yaml`` as torch's own
-``ReduceLROnPlateau``; Lightning's ``Trainer`` as ``configs/trainer/default_trainer.yaml``
-with ``max_time`` M minutes, one thread, best-validation weights tested. Errors as our
-trainer computes them.
-"""
+(atom references: our per-element fit, as its QM9 recipe does); ``NeuralNetworkPotential`` of
+our size with ``Atomwise`` and ``Forces`` (``examples/tutorials/tutorial_03_force_models.ipynb``);
+``AtomisticTask``, MSE weighted 0.01/0.99, AdamW 5e-4,
+``configs/task/scheduler/reduce_on_plateau.yaml`` as torch's ``ReduceLROnPlateau``;
+Lightning's ``Trainer`` as ``configs/trainer/default_trainer.yaml`` with ``max_time`` M
+minutes, one thread, best-validation weights tested. Errors as our trainer computes them."""
 
 from __future__ import annotations
 
@@ -20,7 +18,10 @@ import typing
 from pathlib import Path
 
 import numpy as np
+import pytorch_lightning as pl
 import torch
+import torchmetrics
+from ase import Atoms
 
 SCHNETPACK_VERSION = "2.1.1"
 BATCH_SIZE = 10
@@ -33,8 +34,7 @@ ZMAX = 100  # length of schnetpack's atom-reference table (RemoveOffsets' zmax)
 
 
 def import_schnetpack():
-    """``schnetpack``, after the one shim torch 2.13 needs: ``schnetpack/data/loader.py``
-    imports ``T_co`` from ``torch.utils.data.dataloader``, which no longer defines it."""
+    """``schnetpack``, after torch 2.13's one shim: its data/loader.py imports a gone ``T_co``."""
     import torch.utils.data.dataloader as dataloader
 
     if not hasattr(dataloader, "T_co"):
@@ -45,74 +45,55 @@ def import_schnetpack():
 
 
 def write_database(frames: dict, atomrefs: np.ndarray, path: Path) -> None:
-    """The frames (``z``, ``pos``, ``energy``, ``forces``, ``cell``, ``pbc`` lists, store order)
-    as schnetpack's ASE db at ``path``, energies in eV and forces in eV/A."""
-    from ase import Atoms
-
+    """The frames (:func:`.forces.store_frames`) as schnetpack's ASE db at ``path`` (eV, eV/A)."""
     spk = import_schnetpack()
     dataset = spk.data.ASEAtomsData.create(
-        str(path),
-        distance_unit="Ang",
-        property_unit_dict={"energy": "eV", "forces": "eV/Ang"},
+        str(path), distance_unit="Ang", property_unit_dict={"energy": "eV", "forces": "eV/Ang"},
         atomrefs={"energy": atomrefs[:ZMAX].tolist()},
-    )
+    )  # fmt: skip
     atoms = [
         Atoms(numbers=z, positions=pos, cell=cell, pbc=pbc)
         for z, pos, cell, pbc in zip(frames["z"], frames["pos"], frames["cell"], frames["pbc"])
     ]
-    properties = [
-        {"energy": np.array([energy]), "forces": forces}
-        for energy, forces in zip(frames["energy"], frames["forces"])
-    ]
+    properties = [{"energy": np.array([energy]), "forces": forces}
+                  for energy, forces in zip(frames["energy"], frames["forces"])]  # fmt: skip
     dataset.add_systems(properties, atoms)
 
 
 def build_task(spk, model_cfg):
     """schnetpack's SchNet force field of our model's size, and its AtomisticTask."""
-    import torchmetrics
-
     features = model_cfg.hidden_channels
     schnet = spk.representation.SchNet(
-        n_atom_basis=features,
-        n_interactions=model_cfg.num_interactions,
+        n_atom_basis=features, n_interactions=model_cfg.num_interactions,
         n_filters=model_cfg.num_filters,
         radial_basis=spk.nn.GaussianRBF(n_rbf=model_cfg.num_gaussians, cutoff=model_cfg.cutoff),
         cutoff_fn=spk.nn.CosineCutoff(model_cfg.cutoff),
-    )
+    )  # fmt: skip
     model = spk.model.NeuralNetworkPotential(
-        representation=schnet,
-        input_modules=[spk.atomistic.PairwiseDistances()],
+        representation=schnet, input_modules=[spk.atomistic.PairwiseDistances()],
         output_modules=[
             spk.atomistic.Atomwise(n_in=features, output_key="energy", aggregation_mode="sum"),
-            spk.atomistic.Forces(energy_key="energy", force_key="forces"),
-        ],
+            spk.atomistic.Forces(energy_key="energy", force_key="forces")],
         postprocessors=[
             spk.transform.CastTo64(),
-            spk.transform.AddOffsets("energy", add_mean=True, add_atomrefs=True),
-        ],
-    )
+            spk.transform.AddOffsets("energy", add_mean=True, add_atomrefs=True)],
+    )  # fmt: skip
     outputs = [
         spk.task.ModelOutput(name=name, loss_fn=torch.nn.MSELoss(), loss_weight=weight,
                              metrics={"MAE": torchmetrics.MeanAbsoluteError()})
         for name, weight in LOSS_WEIGHTS.items()
     ]  # fmt: skip
     return spk.task.AtomisticTask(
-        model=model,
-        outputs=outputs,
-        optimizer_cls=torch.optim.AdamW,
+        model=model, outputs=outputs, optimizer_cls=torch.optim.AdamW,
         optimizer_args={"lr": LEARNING_RATE},
         scheduler_cls=torch.optim.lr_scheduler.ReduceLROnPlateau,
-        scheduler_args=dict(PLATEAU),
-        scheduler_monitor="val_loss",
-    )
+        scheduler_args=dict(PLATEAU), scheduler_monitor="val_loss",
+    )  # fmt: skip
 
 
 def split_errors(spk, task, loader) -> dict[str, float]:
-    """Energy MAE (eV per structure, eV per atom), force MAE (eV/A per component) and the
-    task's loss (batch-size weighted, as Lightning averages ``val_loss``) of the task's model
-    on ``loader``'s batches: targets as the transforms leave them, predictions before
-    postprocessing, as ``AtomisticTask.test_step`` compares them (the model writes its
-    outputs into the batch, so the targets are taken first)."""
+    """Energy MAE (eV, eV/atom), force MAE and loss (as ``val_loss``) on ``loader``, compared
+    as ``AtomisticTask.test_step`` does (the model writes into the batch: targets first)."""
     sums = dict.fromkeys(("energy", "per_atom", "forces", "loss"), 0.0)
     structures, components = 0, 0
     task.eval()
@@ -140,26 +121,21 @@ def split_errors(spk, task, loader) -> dict[str, float]:
 
 
 def train_schnetpack(model_cfg, database: Path, split_file: Path, minutes: float) -> dict:
-    """Train for ``minutes`` (see the module docstring); a result row with the curve of
-    validation errors against seconds of training."""
-    import pytorch_lightning as pl
-
+    """Train for ``minutes`` (the module docstring's recipe): a row with the validation curve."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
     spk = import_schnetpack()
-    transforms = [
-        spk.transform.SubtractCenterOfMass(),
-        spk.transform.RemoveOffsets("energy", remove_mean=True, remove_atomrefs=True),
-        spk.transform.MatScipyNeighborList(cutoff=model_cfg.cutoff),
-        spk.transform.CastTo32(),
-    ]
+    transforms = [spk.transform.SubtractCenterOfMass(),
+                  spk.transform.RemoveOffsets("energy", remove_mean=True, remove_atomrefs=True),
+                  spk.transform.MatScipyNeighborList(cutoff=model_cfg.cutoff),
+                  spk.transform.CastTo32()]  # fmt: skip
     data = spk.data.AtomsDataModule(str(database), batch_size=BATCH_SIZE,
                                     split_file=str(split_file), transforms=transforms,
                                     num_workers=0, pin_memory=False)  # fmt: skip
     data.prepare_data()
     data.setup()
     task = build_task(spk, model_cfg)
-    recorder = make_recorder()
+    recorder = Recorder()
     trainer = pl.Trainer(max_time={"seconds": 60.0 * minutes}, max_epochs=100000,
                          accelerator="cpu", devices=1, num_sanity_val_steps=0,
                          inference_mode=False, logger=False, enable_checkpointing=False,
@@ -173,57 +149,45 @@ def train_schnetpack(model_cfg, database: Path, split_file: Path, minutes: float
     if final["loss"] >= recorder.best_loss:
         task.load_state_dict(recorder.best_state)
     test = split_errors(spk, task, data.test_dataloader())
-    return {
-        "name": f"schnetpack {SCHNETPACK_VERSION}",
-        **{f"test_{key}": value for key, value in test.items()},
-        "structures_per_s": recorder.structures / max(recorder.train_seconds, 1e-9),
-        "structures_seen": recorder.structures,
-        "epochs": recorder.structures / len(data.train_dataset),
-        "seconds": recorder.seconds(),
-        "curve": recorder.curve,
-        "recipe": f"batch {BATCH_SIZE}, AdamW {LEARNING_RATE}, loss weights "
-        f"{LOSS_WEIGHTS['energy']}/{LOSS_WEIGHTS['forces']}, plateau (patience 75 epochs)",
-    }
+    seen, weights = recorder.structures, f"{LOSS_WEIGHTS['energy']}/{LOSS_WEIGHTS['forces']}"
+    recipe = (f"batch {BATCH_SIZE}, AdamW {LEARNING_RATE}, loss weights {weights}, "
+              f"plateau (patience {PLATEAU['patience']} epochs)")  # fmt: skip
+    return {"name": f"schnetpack {SCHNETPACK_VERSION}", **{f"test_{k}": v for k, v in test.items()},
+            "structures_per_s": seen / max(recorder.train_seconds, 1e-9), "structures_seen": seen,
+            "epochs": seen / len(data.train_dataset), "seconds": recorder.seconds(),
+            "curve": recorder.curve, "recipe": recipe}  # fmt: skip
 
 
-def make_recorder():
-    """A Lightning callback (Lightning is imported only here) that counts training structures
-    and the seconds of training batches (data loading included, validation not), and keeps
-    the best-validation weights and the validation curve."""
-    import pytorch_lightning as pl
+class Recorder(pl.Callback):
+    """Training structures and batch seconds (loading included, validation not), the curve of
+    validation errors and the best-validation weights."""
 
-    class Recorder(pl.Callback):
-        def __init__(self) -> None:
-            self.structures = 0
-            self.train_seconds = 0.0
-            self.curve: list[tuple[float, float, float]] = []  # (s, force MAE, energy MAE)
-            self.best_loss = float("inf")
-            self.best_state: dict | None = None
-            self._start = 0.0
-            self._last = 0.0
+    def __init__(self) -> None:
+        self.structures, self.train_seconds, self.best_loss = 0, 0.0, float("inf")
+        self.curve: list[tuple[float, float, float]] = []  # (s, force MAE, energy MAE)
+        self.best_state: dict | None = None
+        self._start = self._last = 0.0
 
-        def seconds(self) -> float:
-            return time.perf_counter() - self._start
+    def seconds(self) -> float:
+        return time.perf_counter() - self._start
 
-        def on_train_start(self, trainer, task) -> None:
-            self._start = time.perf_counter()
-            self.best_state = copy.deepcopy(task.state_dict())
+    def on_train_start(self, trainer, task) -> None:
+        self._start = time.perf_counter()
+        self.best_state = copy.deepcopy(task.state_dict())
 
-        def on_train_epoch_start(self, trainer, task) -> None:
-            self._last = time.perf_counter()
+    def on_train_epoch_start(self, trainer, task) -> None:
+        self._last = time.perf_counter()
 
-        def on_train_batch_end(self, trainer, task, outputs, batch, batch_idx) -> None:
-            now = time.perf_counter()
-            self.train_seconds += now - self._last
-            self._last = now
-            self.structures += len(batch["_idx"])
+    def on_train_batch_end(self, trainer, task, outputs, batch, batch_idx) -> None:
+        now = time.perf_counter()
+        self.train_seconds += now - self._last
+        self._last = now
+        self.structures += len(batch["_idx"])
 
-        def on_validation_end(self, trainer, task) -> None:  # the epoch's metrics are in
-            metrics = trainer.callback_metrics
-            loss = float(metrics["val_loss"])
-            forces, energy = float(metrics["val_forces_MAE"]), float(metrics["val_energy_MAE"])
-            self.curve.append((self.seconds(), forces, energy))
-            if loss < self.best_loss:
-                self.best_loss, self.best_state = loss, copy.deepcopy(task.state_dict())
-
-    return Recorder()
+    def on_validation_end(self, trainer, task) -> None:  # the epoch's metrics are in
+        metrics = trainer.callback_metrics
+        loss = float(metrics["val_loss"])
+        forces, energy = float(metrics["val_forces_MAE"]), float(metrics["val_energy_MAE"])
+        self.curve.append((self.seconds(), forces, energy))
+        if loss < self.best_loss:
+            self.best_loss, self.best_state = loss, copy.deepcopy(task.state_dict())
