@@ -3,11 +3,12 @@
 Suites (each module's docstring says what it measures): throughput, batching, loader, model,
 gpu, dense, balance, calculator, accuracy, forces, force_step, periodic. Suite options
 (another suite refuses them; they override ``--quick``'s reduced settings): ``--device``
-(gpu), ``--subset N`` (gpu, accuracy), ``--molecules-per-step N`` and ``--profile`` (gpu),
-``--minutes M`` (accuracy, forces), ``--ours-only`` (accuracy), ``--set section.key=value``
-(gpu, accuracy, forces, force_step), ``--config C`` (forces, force_step), ``--variant``
-(forces: ``'NAME: key=value ...'``; gpu: a name of ``gpu.VARIANTS``), ``--parallel N``
-(forces). Each writes ``SUITE.json``, ``.md`` and ``.png`` in ``--out-dir``."""
+(gpu, force_step), ``--subset N`` (gpu, accuracy), ``--molecules-per-step N`` and
+``--profile`` (gpu), ``--minutes M`` (accuracy, forces), ``--ours-only`` (accuracy),
+``--set section.key=value`` (gpu, accuracy, forces, force_step), ``--config C`` (forces,
+force_step), ``--variant`` (forces: ``'NAME: key=value ...'``; gpu: a name of
+``gpu.VARIANTS``), ``--parallel N`` (forces). Each writes ``SUITE.json``, ``.md`` and
+``.png`` in ``--out-dir``."""
 
 from __future__ import annotations
 

@@ -1,15 +1,19 @@
 """Step time of force training against energy-only training, side by side.
 
     python -m schnet_ipu.bench force_step [--config configs/emt_forces.yaml] [--set key=value]
+    python -m schnet_ipu.bench force_step --device cuda   # plus the Triton flavour's variants
 
-The run's trainer on the same batches for every ``VARIANTS`` entry, interleaved. Measured
+The run's trainer on the same batches for every ``VARIANTS`` entry, interleaved (on CUDA each
+step inside its CUDA graph, as ``backend.cuda_graphs=auto`` trains). Measured
 (``forces-step-cpu``, one thread): forces with the table over exact 0.66-0.71 on the EMT
 clusters (K = 128), 0.436 on the xTB molecules."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -30,42 +34,55 @@ VARIANTS = {
     "energy_table": (0.0, "torch", "table", False),
     "forces_table": (1.0, "torch", "table", False),
     "energy_table_compiled": (0.0, "torch", "table", True),
+    "energy_fused": (0.0, "triton", "exact", False),
+    "forces_fused": (1.0, "triton", "exact", False),
+    "energy_table_fused": (0.0, "triton", "table", False),
+    "forces_table_fused": (1.0, "triton", "table", False),
 }
+CUDA_ONLY = ("energy_fused", "forces_fused", "energy_table_fused", "forces_table_fused")
 COLUMNS = ["name", "step_ms", "ratio_to_energy"]
 PLOT = ("name", "step_ms", "ms per training step")
 QUICK = {"rounds": 3, "steps": 3}
 
 
 def run(
-    config: str | Path = DEFAULT_CONFIG, overrides: list[str] = (), rounds: int = 5, steps: int = 5
-) -> dict:
-    """Every variant on ``config``'s first ``steps`` host calls, ``rounds`` rounds."""
-    cfg = load_config(config, [*overrides, "loader.workers=0"])
+    config: str | Path = DEFAULT_CONFIG, overrides: list[str] = (), rounds: int = 5, steps: int = 5,
+    device: str = "cpu",
+) -> dict:  # fmt: skip
+    """Every variant on ``config``'s first ``steps`` host calls, ``rounds`` rounds, on
+    ``device`` (the Triton variants on CUDA only)."""
+    cuda = device.startswith("cuda")
+    cfg = load_config(config, [*overrides, "loader.workers=0", f"backend.device={device}"])
     if cfg.backend.threads:
         torch.set_num_threads(cfg.backend.threads)
     data = prepare_data(cfg)
-    calls = make_loader(cfg, data, "train").epoch(0)
+    calls = make_loader(cfg, data, "train", pin_memory=cuda, device=device).epoch(0)
     batches = [next(calls) for _ in range(steps)]
+    names = [name for name in VARIANTS if cuda or name not in CUDA_ONLY]
     timer_steps = {}
-    for name, (weight, ops, filter_, compiled) in VARIANTS.items():
+    for name in names:
+        weight, ops, filter_, compiled = VARIANTS[name]
         variant = dataclasses.replace(
             cfg, optim=dataclasses.replace(cfg.optim, forces_weight=weight),
             model=dataclasses.replace(cfg.model, ops=ops, filter=filter_),
             backend=dataclasses.replace(cfg.backend, compile=compiled))  # fmt: skip
-        backend = make_trainer(variant, data, ReplicaInfo(), "cpu")[2]
-        calls = itertools.cycle(batches)
-        timer_steps[name] = lambda b=backend, calls=calls: len(b.train_call(next(calls)))
+        backend = make_trainer(variant, data, ReplicaInfo(), device)[2]
+        timer_steps[name] = functools.partial(timed_call, backend, itertools.cycle(batches), cuda)
     timing = common.Timing(warmup=1, steps=steps, repeats=rounds)
     rates = common.measure_side_by_side(timer_steps, timing)
     median = {name: 1000 * rate.step_seconds for name, rate in rates.items()}
-    to_energy = {name: median[name] / median["energy"] for name in VARIANTS}
+    to_energy = {name: median[name] / median["energy"] for name in names}
     table_speedup = {kind: median[kind] / median[f"{kind}_table"] for kind in ("energy", "forces")}
-    rows = [{"name": n, "step_ms": median[n], "ratio_to_energy": to_energy[n]} for n in VARIANTS]
+    rows = [{"name": n, "step_ms": median[n], "ratio_to_energy": to_energy[n]} for n in names]
     ratios = {f"table_speedup_{kind}": value for kind, value in table_speedup.items()}
+    if cuda:
+        ratios |= {f"fused_speedup_{n}": median[n] / median[f"{n}_fused"]
+                   for n in ("energy", "forces", "energy_table", "forces_table")}  # fmt: skip
+    where = torch.cuda.get_device_name(device) if cuda else f"{torch.get_num_threads()} thread(s)"
     notes = [
-        f"{config} {' '.join(overrides)}; {torch.get_num_threads()} torch thread(s); the "
-        f"first {steps} host calls of the training loader, a warm-up call, then {rounds} "
-        "rounds of every variant in turn; medians.",
+        f"{config} {' '.join(overrides)} on {device} ({where}); the first {steps} host calls "
+        f"of the training loader, a warm-up call, then {rounds} rounds of every variant in "
+        "turn; medians." + ("" if cuda else f" Skipped (CUDA only): {', '.join(CUDA_ONLY)}."),
     ]
     return common.new_report(  # and the keys of docs/benchmarks/forces-step-cpu.json
         "force_step", rows, ratios, notes, threads=torch.get_num_threads(), step_ms=median,
@@ -73,3 +90,11 @@ def run(
         atoms_per_batch=int(batches[0][0].node_mask.sum()), config=str(config),
         forces_table_over_exact=median["forces_table"] / median["forces"],
     )  # fmt: skip
+
+
+def timed_call(backend, batches: Iterator, cuda: bool) -> int:
+    """One host call of ``backend`` on the next batch; on CUDA, waits for the GPU."""
+    steps = len(backend.train_call(next(batches)))
+    if cuda:
+        torch.cuda.synchronize()
+    return steps

@@ -188,9 +188,11 @@ NUM_WARPS = 4
 
 
 def launch(
-    kernel, rows: int, num_features: int, *args, block_rows: int = BLOCK_ROWS, **switches
+    kernel, rows: int, num_features: int, *args, block_rows: int | None = None, **switches
 ) -> None:
-    """``kernel`` over ``rows`` filter rows, ``block_rows`` per program, all features at once."""
+    """``kernel`` over ``rows`` filter rows, ``block_rows`` per program (``BLOCK_ROWS`` when
+    None, read at each launch: a sweep may set it), all features at once."""
+    block_rows = block_rows or BLOCK_ROWS
     grid = (triton.cdiv(rows, block_rows),)
     block_features = max(16, 1 << (num_features - 1).bit_length())
     kernel[grid](*args, **switches, BLOCK_E=block_rows, BLOCK_F=block_features,

@@ -1,0 +1,167 @@
+"""A lent GPU's checks in one call, in order of worth, while a time budget lasts.
+
+    python scripts/gpu_session.py --out "$OUT" --seconds 520
+
+Stages: the tests that need CUDA (Triton kernels on CUDA tensors, the captured and compiled
+steps); the gpu suite (a full QM9 epoch with profiles) at 512, 1,024 and 2,048 molecules per
+step, the compiled variants apart (their compile time is the least predictable); force-training
+steps of every op flavour on the EMT clusters and the xTB molecules; a sweep of the Triton
+kernels' rows per program and warps; stock PyG at batch 32.
+Each stage runs in its own process under its own time limit, so one that fails or hangs
+leaves the rest; a stage whose estimate does not fit in the time left is skipped, and said
+so. Reports (JSON) and logs go to ``--out``; the last lines printed are a table of stages.
+A device session has minutes, not hours: the estimates are one H100/H200's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TESTS = ["tests/test_triton_ops.py", "tests/test_cuda.py", "tests/test_compiled_step.py"]
+SWEEP_ROWS, SWEEP_WARPS = (8, 16, 32, 64), (4, 8)
+SWEEP_STEPS = 40
+COMPILED = "compiled,compiled fused,compiled fused table"  # gpu.VARIANTS under backend.compile
+
+
+def gpu(molecules: int, name: str, precisions: str, variants: str, pyg: str) -> list[str]:
+    """The arguments of one gpu-suite stage (comma-separated lists; empty: none)."""
+    return ["--gpu", str(molecules), "--name", name, "--precisions", precisions,
+            "--variants", variants, "--pyg", pyg]  # fmt: skip
+
+
+def stages(out: Path) -> list[tuple[str, float, float, list[str]]]:
+    """(name, estimate s, limit s, command) in the order they run."""
+    me = [sys.executable, str(Path(__file__).resolve()), "--out", str(out)]
+    bench = [sys.executable, "-m", "schnet_ipu.bench"]
+    pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "8",
+              "-m", "triton or not triton", *TESTS]  # fmt: skip
+    forces = [*bench, "force_step", "--device", "cuda", "--quick",
+              "--set", "packing.packs_per_batch=64"]  # fmt: skip
+    xtb = [*forces, "--config", "configs/xtb_molecules.yaml"]
+    compiled = gpu(2048, "gpu-2048-compiled", "tf32", COMPILED, "")
+    return [
+        ("tests", 60, 150, pytest),
+        ("gpu-512", 90, 150, [*me, *gpu(512, "gpu-512", "fp32,tf32,bf16", "fused,table", "")]),
+        ("gpu-2048", 60, 120, [*me, *gpu(2048, "gpu-2048", "fp32,tf32", "fused,table", "1024")]),
+        ("forces-emt", 40, 90, [*forces, "--json", str(out / "force-step-emt.json")]),
+        ("gpu-2048-compiled", 120, 200, [*me, *compiled]),
+        ("gpu-1024", 40, 90, [*me, *gpu(1024, "gpu-1024", "tf32", "fused,table", "")]),
+        ("sweep", 60, 120, [*me, "--sweep"]),
+        ("forces-xtb", 40, 90, [*xtb, "--json", str(out / "force-step-xtb.json")]),
+        ("gpu-512-pyg32", 110, 150, [*me, *gpu(512, "gpu-512-pyg32", "tf32", "", "32")]),
+    ]
+
+
+def run_stages(out: Path, seconds: float) -> None:
+    """Every stage that fits in what is left of ``seconds``; logs under ``out``."""
+    start, summary = time.monotonic(), []
+    for name, estimate, limit, command in stages(out):
+        left = seconds - (time.monotonic() - start)
+        if estimate > left:
+            summary.append((name, "skipped (time)", 0.0))
+            continue
+        tick = time.monotonic()
+        with open(out / f"{name}.log", "w") as log:
+            try:
+                code = subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                      timeout=min(limit, left)).returncode  # fmt: skip
+                status = "ok" if code == 0 else f"exit {code}"
+            except subprocess.TimeoutExpired:
+                status = "timed out"
+        summary.append((name, status, time.monotonic() - tick))
+        print(f"{name}: {status} after {summary[-1][2]:.0f} s", flush=True)
+        tail = (out / f"{name}.log").read_text().splitlines()[-4:]
+        print("\n".join("    " + line[:200] for line in tail), flush=True)
+    print("\nstage              status            seconds")
+    for name, status, spent in summary:
+        print(f"{name:<18} {status:<17} {spent:7.0f}")
+
+
+def gpu_stage(molecules: int, name: str, precisions: str, variants: str, pyg: str,
+              out: Path) -> None:  # fmt: skip
+    """The gpu suite at ``molecules`` per step (stock PyG at that batch size and ``pyg``'s);
+    its report as ``out/name.json`` and its plots under ``out/name``."""
+    from schnet_ipu.bench import gpu
+    from schnet_ipu.bench.common import write_report
+
+    def names(text: str) -> tuple[str, ...]:
+        return tuple(item for item in text.split(",") if item)
+
+    report = gpu.run(
+        device="cuda", rounds=1, molecules_per_step=molecules, precisions=names(precisions),
+        variants=names(variants), pyg_batches=tuple(int(b) for b in names(pyg)),
+        profile=bool(names(variants)),
+    )  # fmt: skip
+    report["command"] = f"python scripts/gpu_session.py ({name})"
+    write_report(report, gpu.COLUMNS, gpu.PLOT, out / name, out / f"{name}.json")
+    for row in report["results"]:
+        print(f"{row['name']:<45} {row['epoch_seconds']:8.3f} s  {row.get('val_mae')}", flush=True)
+
+
+def sweep_stage(out: Path) -> None:
+    """Step time of the fused (exact and table) tf32 steps in their CUDA graphs at ~1,024
+    molecules per step, for each rows-per-program x warps of the Triton kernels."""
+    import torch
+
+    from schnet_ipu import components
+    from schnet_ipu.backends import ReplicaInfo
+    from schnet_ipu.bench import common, gpu
+    from schnet_ipu.model.ops import triton_kernels
+    from schnet_ipu.pipeline import make_loader, prepare_data
+
+    base = gpu.paper_config(common.QM9_STORE, "cuda", 0, [])
+    data = prepare_data(base)
+    packs = f"packing.packs_per_batch={common.packs_for(data, 1024)}"
+    rows = []
+    for filter_, block_rows, warps in itertools.product(("exact", "table"), SWEEP_ROWS,
+                                                        SWEEP_WARPS):  # fmt: skip
+        triton_kernels.BLOCK_ROWS, triton_kernels.NUM_WARPS = block_rows, warps
+        cfg = gpu.paper_config(common.QM9_STORE, "cuda", 0, [
+            packs, "backend.precision=tf32", "backend.cuda_graphs=true", "model.ops=triton",
+            f"model.filter={filter_}"])  # fmt: skip
+        loader = make_loader(cfg, data, "train", pin_memory=True, device="cuda")
+        calls = list(itertools.islice(loader.epoch(0), 8))
+        backend = components.make_trainer(cfg, data, ReplicaInfo(), "cuda")[2]
+        for call in calls:  # capture and warm-up
+            backend.train_call(call)
+        torch.cuda.synchronize()
+        tick = time.perf_counter()
+        steps = sum(len(backend.train_call(calls[i % len(calls)])) for i in range(SWEEP_STEPS))
+        torch.cuda.synchronize()
+        ms = 1000 * (time.perf_counter() - tick) / steps
+        rows.append({"filter": filter_, "block_rows": block_rows, "num_warps": warps,
+                     "step_ms": ms})  # fmt: skip
+        print(f"{filter_:<6} rows {block_rows:>3} warps {warps}: {ms:.3f} ms per step", flush=True)
+        facts = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                 "packs": packs, "steps": SWEEP_STEPS, "results": rows}  # fmt: skip
+        (out / "triton-sweep.json").write_text(json.dumps(facts, indent=1))  # after each
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="reports and logs")
+    parser.add_argument("--seconds", type=float, default=520, help="time budget of all stages")
+    # one stage, in its own process (stages() gives the arguments)
+    parser.add_argument("--gpu", type=int, help=argparse.SUPPRESS)
+    for option in ("--name", "--precisions", "--variants", "--pyg"):
+        parser.add_argument(option, default="", help=argparse.SUPPRESS)
+    parser.add_argument("--sweep", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.gpu:
+        gpu_stage(args.gpu, args.name, args.precisions, args.variants, args.pyg, args.out)
+    elif args.sweep:
+        sweep_stage(args.out)
+    else:
+        run_stages(args.out, args.seconds)
+
+
+if __name__ == "__main__":
+    main()
