@@ -105,6 +105,9 @@ def labelled_slots(batch: Batch) -> Tensor:
 
 
 def atoms_per_molecule(batch: Batch) -> Tensor:
-    """Real atoms of each molecule slot [G] (0 for padding slots), float."""
-    counts = torch.bincount(batch.graph, minlength=batch.num_graphs + 1)[: batch.num_graphs]
-    return counts.to(batch.pos.dtype)
+    """Real atoms of each molecule slot [G] (0 for padding slots), float. A sum into G + 1
+    slots (padding atoms point at the last), not ``bincount``, which sizes its output on the
+    host and so cannot run inside a CUDA graph's capture."""
+    ones = batch.pos.new_ones(batch.graph.shape[0])
+    slots = batch.pos.new_zeros(batch.num_graphs + 1).index_add_(0, batch.graph, ones)
+    return slots[: batch.num_graphs]

@@ -25,9 +25,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ["tests/test_triton_ops.py", "tests/test_cuda.py", "tests/test_compiled_step.py"]
-SWEEP_ROWS, SWEEP_WARPS = (8, 16, 32, 64), (4, 8)
+SWEEP_ROWS, SWEEP_WARPS = (2, 4, 8, 16), (4, 8, 16)
 SWEEP_STEPS = 40
-COMPILED = "compiled,compiled fused,compiled fused table"  # gpu.VARIANTS under backend.compile
+# gpu.VARIANTS under backend.compile
+COMPILED = "compiled,compiled table,compiled fused,compiled fused table"
 
 
 def gpu(molecules: int, name: str, precisions: str, variants: str, pyg: str) -> list[str]:
@@ -46,6 +47,7 @@ def stages(out: Path) -> list[tuple[str, float, float, list[str]]]:
               "--set", "packing.packs_per_batch=64"]  # fmt: skip
     xtb = [*forces, "--config", "configs/xtb_molecules.yaml"]
     compiled = gpu(2048, "gpu-2048-compiled", "tf32", COMPILED, "")
+    largest = gpu(4096, "gpu-4096-compiled", "tf32", "compiled,compiled table", "")
     return [
         ("tests", 60, 150, pytest),
         ("gpu-512", 90, 150, [*me, *gpu(512, "gpu-512", "fp32,tf32,bf16", "fused,table", "")]),
@@ -55,14 +57,20 @@ def stages(out: Path) -> list[tuple[str, float, float, list[str]]]:
         ("gpu-1024", 40, 90, [*me, *gpu(1024, "gpu-1024", "tf32", "fused,table", "")]),
         ("sweep", 60, 120, [*me, "--sweep"]),
         ("forces-xtb", 40, 90, [*xtb, "--json", str(out / "force-step-xtb.json")]),
+        ("gpu-4096-compiled", 60, 120, [*me, *largest]),
         ("gpu-512-pyg32", 110, 150, [*me, *gpu(512, "gpu-512-pyg32", "tf32", "", "32")]),
     ]
 
 
-def run_stages(out: Path, seconds: float) -> None:
-    """Every stage that fits in what is left of ``seconds``; logs under ``out``."""
+def run_stages(out: Path, seconds: float, only: list[str]) -> None:
+    """Every stage (``only``: those, in that order) that fits in what is left of
+    ``seconds``; logs under ``out``."""
     start, summary = time.monotonic(), []
-    for name, estimate, limit, command in stages(out):
+    every = {stage[0]: stage for stage in stages(out)}
+    unknown = [name for name in only if name not in every]
+    if unknown:
+        raise SystemExit(f"--only: no stage {', '.join(unknown)} (stages: {', '.join(every)})")
+    for name, estimate, limit, command in [every[name] for name in only] or every.values():
         left = seconds - (time.monotonic() - start)
         if estimate > left:
             summary.append((name, "skipped (time)", 0.0))
@@ -148,6 +156,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="reports and logs")
     parser.add_argument("--seconds", type=float, default=520, help="time budget of all stages")
+    parser.add_argument("--only", default="", help="these stages (comma-separated), in order")
     # one stage, in its own process (stages() gives the arguments)
     parser.add_argument("--gpu", type=int, help=argparse.SUPPRESS)
     for option in ("--name", "--precisions", "--variants", "--pyg"):
@@ -160,7 +169,7 @@ def main() -> None:
     elif args.sweep:
         sweep_stage(args.out)
     else:
-        run_stages(args.out, args.seconds)
+        run_stages(args.out, args.seconds, [name for name in args.only.split(",") if name])
 
 
 if __name__ == "__main__":

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import ase.io
 import pytest
 import torch
 from test_backend import make_batch
 from test_backend_precision import schnet, schnet_loss
+from test_forces import ROOT, emt_frames
 
 from schnet_ipu.backends import TorchBackend
 from schnet_ipu.config import load_config
@@ -81,3 +83,23 @@ def test_training_run_captures_once(tmp_path: Path) -> None:
     for final in (on_device, from_host):
         assert final["cuda_graph_captures"] == 1 and final["recompilations"] == 0
     assert on_device["test_mae"] == pytest.approx(from_host["test_mae"], rel=1e-3)
+
+
+def test_force_training_run_captures_once(tmp_path: Path) -> None:
+    """Force training (the step's double backward and the per-atom energy error) inside
+    one CUDA graph, as backend.cuda_graphs=auto trains on a GPU, against the eager step."""
+    path = tmp_path / "emt.extxyz"
+    ase.io.write(path, emt_frames(48), format="extxyz")
+    finals = []
+    for graphs in ("true", "false"):
+        overrides = [
+            f"data.files=[{path}]", f"data.path={tmp_path / 'emt.h5'}", "data.val=8",
+            "data.test=8", "model.hidden_channels=16", "model.num_filters=16",
+            "model.num_interactions=1", "optim.epochs=2", "optim.beat_baseline=false",
+            "logging.progress=false", f"logging.run_dir={tmp_path / graphs}",
+            "backend.device=cuda", f"backend.cuda_graphs={graphs}",
+        ]  # fmt: skip
+        finals.append(train(load_config(ROOT / "configs/emt_forces.yaml", overrides)))
+    graphed, eager = finals
+    assert graphed["cuda_graph_captures"] == 1 and graphed["recompilations"] == 0
+    assert graphed["test_force_mae"] == pytest.approx(eager["test_force_mae"], rel=1e-3)

@@ -27,7 +27,7 @@ from schnet_ipu.model.ops.torch_ops import (
     pair_symmetric_conv,
     shifted_softplus,
 )
-from schnet_ipu.response import energy_response
+from schnet_ipu.response import atoms_per_molecule, energy_response
 from schnet_ipu.runlog import read_records
 from schnet_ipu.training import train
 
@@ -111,6 +111,14 @@ def emt_batch(frames: list[Atoms], radius: bool = True) -> tuple[object, Layout]
     batch.forces = batch.forces.double()
     batch.y = batch.y.double()
     return batch, layout
+
+
+def test_atoms_per_molecule_counts_real_atoms_of_each_slot():
+    frames = emt_frames(4, seed=3)
+    batch, _ = emt_batch(frames)
+    want = [len(f) for f in frames] + [0] * (batch.num_graphs - len(frames))  # empty pack: 0
+    assert atoms_per_molecule(batch).tolist() == want
+    assert atoms_per_molecule(batch).dtype == batch.pos.dtype
 
 
 @pytest.mark.parametrize("graph", ["radius", "knn"])

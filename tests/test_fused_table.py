@@ -133,7 +133,8 @@ def force_training_pass(model: SchNet, batch, periodic: bool) -> dict[str, torch
     else:
         energy, forces, _ = energy_response(model, batch, create_graph=True)
         stress = forces.new_zeros(())
-    target = torch.linspace(-1.0, 1.0, forces.numel(), dtype=forces.dtype).view_as(forces)
+    target = torch.linspace(-1.0, 1.0, forces.numel(), dtype=forces.dtype, device=forces.device)
+    target = target.view_as(forces)
     loss = energy.square().sum() + (forces - target).square().sum() + 10 * stress.square().sum()
     grads = torch.autograd.grad(loss, list(model.parameters()))
     out = {"energy": energy, "forces": forces, "stress": stress}

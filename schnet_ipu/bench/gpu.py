@@ -35,7 +35,8 @@ VARIANTS = {"compiled": ["backend.compile=true"], "fused": ["model.ops=triton"],
             "table": ["model.ops=triton", "model.filter=table"],
             "compiled fused": ["backend.compile=true", "model.ops=triton"],
             "compiled fused table": ["backend.compile=true", "model.ops=triton",
-                                     "model.filter=table"]}  # fmt: skip
+                                     "model.filter=table"],
+            "compiled table": ["backend.compile=true", "model.filter=table"]}  # fmt: skip
 # the Triton kernels need CUDA tensors
 CUDA_ONLY = ("fused", "table", "compiled fused", "compiled fused table")
 QUICK = {"rounds": 1, "pyg_batches": (32, 128)}

@@ -254,7 +254,7 @@ def table_conv(
         raise ValueError(f"table_conv: dist has {rows} rows for {edges} edges (need E or E/2)")
     return _TableConv.apply(
         x.contiguous(), edge_index.contiguous(), dist.to(x.dtype).contiguous(),
-        edge_mask.contiguous().view(torch.uint8),
+        edge_mask.to(torch.uint8).contiguous(),  # a copy: inductor cannot lower a bool view
         values.to(x.dtype).contiguous(), slopes.to(x.dtype).contiguous(), float(cutoff),
     )  # fmt: skip
 
