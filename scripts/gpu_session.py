@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import subprocess
 import sys
 import time
@@ -59,6 +60,7 @@ def stages(out: Path) -> list[tuple[str, float, float, list[str]]]:
         ("forces-xtb", 40, 90, [*xtb, "--json", str(out / "force-step-xtb.json")]),
         ("gpu-4096-compiled", 60, 120, [*me, *largest]),
         ("gpu-512-pyg32", 110, 150, [*me, *gpu(512, "gpu-512-pyg32", "tf32", "", "32")]),
+        ("forces-each", 90, 150, [*me, "--forces-each", *forces[4:]]),
     ]
 
 
@@ -152,6 +154,26 @@ def sweep_stage(out: Path) -> None:
         (out / "triton-sweep.json").write_text(json.dumps(facts, indent=1))  # after each
 
 
+def forces_each_stage(arguments: list[str]) -> None:
+    """Each force_step variant alone, in its own process, with CUDA_LAUNCH_BLOCKING=1: which
+    one fails, and at which launch (an illegal memory access ended the EMT force steps of
+    the second H200 call, after every variant's first captured step had run)."""
+    from schnet_ipu.bench import force_step
+
+    bench = [sys.executable, "-m", "schnet_ipu.bench", "force_step", *arguments]
+    env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1")
+    for name in force_step.VARIANTS:
+        if name == "energy":
+            continue
+        done = subprocess.run([*bench, "--variant", name], cwd=ROOT, env=env, text=True,
+                              capture_output=True)  # fmt: skip
+        lines = (done.stdout + done.stderr).splitlines()
+        error = next((line for line in reversed(lines) if "Error" in line), "")
+        print(f"{name}: {'ok' if done.returncode == 0 else 'FAILED ' + error}", flush=True)
+        if done.returncode:
+            print("\n".join("    " + line for line in lines[-40:]), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="reports and logs")
@@ -162,10 +184,13 @@ def main() -> None:
     for option in ("--name", "--precisions", "--variants", "--pyg"):
         parser.add_argument(option, default="", help=argparse.SUPPRESS)
     parser.add_argument("--sweep", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--forces-each", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.gpu:
         gpu_stage(args.gpu, args.name, args.precisions, args.variants, args.pyg, args.out)
+    elif args.forces_each is not None:
+        forces_each_stage(args.forces_each)
     elif args.sweep:
         sweep_stage(args.out)
     else:

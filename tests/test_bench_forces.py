@@ -94,3 +94,13 @@ def test_force_step_times_every_variant(tiny):
     assert set(report["step_ms"]) == set(force_step.VARIANTS) - set(force_step.CUDA_ONLY)
     assert report["ratio_to_energy"]["energy"] == 1.0 and report["atoms_per_batch"] > 0
     assert all(row["step_ms"] > 0 for row in report["results"])
+
+
+def test_force_step_times_the_chosen_variants_beside_energy(tiny):
+    _, _, _, overrides = tiny
+    config = ROOT / "configs/emt_forces.yaml"
+    report = force_step.run(config, overrides, rounds=1, steps=1, variants=["forces_table"])
+    assert set(report["step_ms"]) == {"energy", "forces_table"}
+    assert report["forces_table_over_exact"] is None  # "forces" did not run
+    with pytest.raises(UserError, match="no variant forces_everywhere"):
+        force_step.run(config, overrides, variants=["forces_everywhere"])

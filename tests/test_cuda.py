@@ -94,8 +94,9 @@ def test_force_training_run_captures_once(tmp_path: Path) -> None:
     for graphs in ("true", "false"):
         overrides = [
             f"data.files=[{path}]", f"data.path={tmp_path / 'emt.h5'}", "data.val=8",
-            "data.test=8", "model.hidden_channels=16", "model.num_filters=16",
-            "model.num_interactions=1", "optim.epochs=2", "optim.beat_baseline=false",
+            "data.test=8", "packing.packs_per_batch=1", "model.hidden_channels=16",
+            "model.num_filters=16", "model.num_interactions=1", "optim.epochs=2",
+            "optim.beat_baseline=false",
             "logging.progress=false", f"logging.run_dir={tmp_path / graphs}",
             "backend.device=cuda", f"backend.cuda_graphs={graphs}",
         ]  # fmt: skip

@@ -6,8 +6,8 @@ gpu, dense, balance, calculator, accuracy, forces, force_step, periodic. Suite o
 (gpu, force_step), ``--subset N`` (gpu, accuracy), ``--molecules-per-step N`` and
 ``--profile`` (gpu), ``--minutes M`` (accuracy, forces), ``--ours-only`` (accuracy),
 ``--set section.key=value`` (gpu, accuracy, forces, force_step), ``--config C`` (forces,
-force_step), ``--variant`` (forces: ``'NAME: key=value ...'``; gpu: a name of
-``gpu.VARIANTS``), ``--parallel N`` (forces). Each writes ``SUITE.json``, ``.md`` and
+force_step), ``--variant`` (forces: ``'NAME: key=value ...'``; gpu and force_step: a name
+of the module's ``VARIANTS``), ``--parallel N`` (forces). Each writes ``SUITE.json``, ``.md`` and
 ``.png`` in ``--out-dir``."""
 
 from __future__ import annotations

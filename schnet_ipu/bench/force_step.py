@@ -2,6 +2,7 @@
 
     python -m schnet_ipu.bench force_step [--config configs/emt_forces.yaml] [--set key=value]
     python -m schnet_ipu.bench force_step --device cuda   # plus the Triton flavour's variants
+    python -m schnet_ipu.bench force_step --variant forces_table   # that one and energy
 
 The run's trainer on the same batches for every ``VARIANTS`` entry, interleaved (on CUDA each
 step inside its CUDA graph, as ``backend.cuda_graphs=auto`` trains). Measured
@@ -22,6 +23,7 @@ from schnet_ipu.backends.distributed import ReplicaInfo
 from schnet_ipu.bench import common
 from schnet_ipu.components import make_trainer
 from schnet_ipu.config import load_config
+from schnet_ipu.errors import UserError
 from schnet_ipu.pipeline import make_loader, prepare_data
 
 DEFAULT_CONFIG = common.ROOT / "configs/emt_forces.yaml"
@@ -47,10 +49,15 @@ QUICK = {"rounds": 3, "steps": 3}
 
 def run(
     config: str | Path = DEFAULT_CONFIG, overrides: list[str] = (), rounds: int = 5, steps: int = 5,
-    device: str = "cpu",
+    device: str = "cpu", variants: list[str] | None = None,
 ) -> dict:  # fmt: skip
-    """Every variant on ``config``'s first ``steps`` host calls, ``rounds`` rounds, on
-    ``device`` (the Triton variants on CUDA only)."""
+    """Every variant (``variants``: those and ``energy``, the reference) on ``config``'s
+    first ``steps`` host calls, ``rounds`` rounds, on ``device`` (the Triton variants on
+    CUDA only)."""
+    unknown = sorted(set(variants or ()) - set(VARIANTS))
+    if unknown:
+        names = ", ".join(VARIANTS)
+        raise UserError(f"bench force_step: no variant {', '.join(unknown)} (one of {names})")
     cuda = device.startswith("cuda")
     cfg = load_config(config, [*overrides, "loader.workers=0", f"backend.device={device}"])
     if cfg.backend.threads:
@@ -58,7 +65,8 @@ def run(
     data = prepare_data(cfg)
     calls = make_loader(cfg, data, "train", pin_memory=cuda, device=device).epoch(0)
     batches = [next(calls) for _ in range(steps)]
-    names = [name for name in VARIANTS if cuda or name not in CUDA_ONLY]
+    chosen = {"energy", *variants} if variants else set(VARIANTS)
+    names = [name for name in VARIANTS if name in chosen and (cuda or name not in CUDA_ONLY)]
     timer_steps = {}
     for name in names:
         weight, ops, filter_, compiled = VARIANTS[name]
@@ -72,11 +80,15 @@ def run(
     rates = common.measure_side_by_side(timer_steps, timing)
     median = {name: 1000 * rate.step_seconds for name, rate in rates.items()}
     to_energy = {name: median[name] / median["energy"] for name in names}
-    table_speedup = {kind: median[kind] / median[f"{kind}_table"] for kind in ("energy", "forces")}
+
+    def over(a: str, b: str) -> float | None:  # step time of a over b, where both ran
+        return median[a] / median[b] if {a, b} <= set(names) else None
+
+    table_speedup = {kind: over(kind, f"{kind}_table") for kind in ("energy", "forces")}
     rows = [{"name": n, "step_ms": median[n], "ratio_to_energy": to_energy[n]} for n in names]
     ratios = {f"table_speedup_{kind}": value for kind, value in table_speedup.items()}
     if cuda:
-        ratios |= {f"fused_speedup_{n}": median[n] / median[f"{n}_fused"]
+        ratios |= {f"fused_speedup_{n}": over(n, f"{n}_fused")
                    for n in ("energy", "forces", "energy_table", "forces_table")}  # fmt: skip
     where = torch.cuda.get_device_name(device) if cuda else f"{torch.get_num_threads()} thread(s)"
     notes = [
@@ -88,7 +100,7 @@ def run(
         "force_step", rows, ratios, notes, threads=torch.get_num_threads(), step_ms=median,
         ratio_to_energy=to_energy, table_speedup=table_speedup,
         atoms_per_batch=int(batches[0][0].node_mask.sum()), config=str(config),
-        forces_table_over_exact=median["forces_table"] / median["forces"],
+        forces_table_over_exact=over("forces_table", "forces"),
     )  # fmt: skip
 
 
