@@ -164,10 +164,15 @@ class EnergyForceTask:
         self.stress_scale = stress_scale  # None: the store has no stress
         self.stress_weight = stress_weight
         self.with_stress = stress_scale is not None
-        self.reset()
+        # [4]: |E err| / atoms, molecules, |F err|, components; made by the first step and
+        # then only added into and zeroed in place, because a captured CUDA-graph step
+        # replays its add into this same memory (rebinding it would leave the graph reading
+        # a freed tensor). A graph's warm-up steps (backends.cuda_graph) add into it too.
+        self._sums: Tensor | None = None
 
     def reset(self) -> None:
-        self._sums: Tensor | None = None  # [4]: |E err| / atoms, molecules, |F err|, components
+        if self._sums is not None:
+            self._sums.zero_()
 
     def loss(self, model: nn.Module, batch: Batch) -> Tensor:
         if self.weight == 0 and self.stress_weight == 0:  # energies only; the rest is scored
@@ -193,7 +198,9 @@ class EnergyForceTask:
                     components.to(per_atom.dtype),
                 ]
             )
-            self._sums = sums if self._sums is None else self._sums + sums
+            if self._sums is None:
+                self._sums = torch.zeros_like(sums)
+            self._sums.add_(sums)
         loss = energy_loss + self.weight * force_loss
         if response.stress is None:
             return loss
@@ -218,6 +225,8 @@ class EnergyForceTask:
         if self._sums is None:
             return {}
         e_abs, molecules, f_abs, components = self._sums.double().cpu().tolist()
+        if molecules == 0:  # no step since reset()
+            return {}
         return {
             "energy_mae_per_atom": e_abs / max(molecules, 1),
             "force_mae": f_abs / max(components, 1),

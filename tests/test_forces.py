@@ -29,6 +29,7 @@ from schnet_ipu.model.ops.torch_ops import (
 )
 from schnet_ipu.response import atoms_per_molecule, energy_response
 from schnet_ipu.runlog import read_records
+from schnet_ipu.task import EnergyForceTask, TargetTransform
 from schnet_ipu.training import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -119,6 +120,26 @@ def test_atoms_per_molecule_counts_real_atoms_of_each_slot():
     want = [len(f) for f in frames] + [0] * (batch.num_graphs - len(frames))  # empty pack: 0
     assert atoms_per_molecule(batch).tolist() == want
     assert atoms_per_molecule(batch).dtype == batch.pos.dtype
+
+
+def test_training_error_sums_add_up_in_one_buffer_that_reset_zeroes():
+    """The epoch's training errors: a sum over steps, zeroed by reset() in place (a captured
+    CUDA-graph step keeps adding into the same tensor, so it is never replaced)."""
+    batch, layout = emt_batch(emt_frames(4, seed=5))
+    model = tiny_model("torch").double()
+    model.max_nodes_per_pack = layout.max_nodes
+    task = EnergyForceTask(TargetTransform((0.0,) * 119, 1.0), 0.5, 1.0)
+    assert task.training_metrics() == {}
+    task.loss(model, batch)
+    once = task.training_metrics()
+    buffer = task._sums
+    task.loss(model, batch)
+    assert task.training_metrics() == pytest.approx(once)  # the same batch twice: same mean
+    task.reset()
+    assert task.training_metrics() == {} and task._sums is buffer
+    task.loss(model, batch)
+    assert task.training_metrics() == pytest.approx(once) and task._sums is buffer
+    assert once["force_mae"] > 0 and once["energy_mae_per_atom"] > 0
 
 
 @pytest.mark.parametrize("graph", ["radius", "knn"])
