@@ -157,21 +157,28 @@ def sweep_stage(out: Path) -> None:
 def forces_each_stage(arguments: list[str]) -> None:
     """Each force_step variant alone, in its own process, with CUDA_LAUNCH_BLOCKING=1: which
     one fails, and at which launch (an illegal memory access ended the EMT force steps of
-    the second H200 call, after every variant's first captured step had run)."""
+    the second H200 call, after every variant's first captured step had run); a variant
+    that fails runs again without CUDA graphs, to tell the capture from the kernels."""
     from schnet_ipu.bench import force_step
 
     bench = [sys.executable, "-m", "schnet_ipu.bench", "force_step", *arguments]
     env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1")
-    for name in force_step.VARIANTS:
-        if name == "energy":
-            continue
-        done = subprocess.run([*bench, "--variant", name], cwd=ROOT, env=env, text=True,
-                              capture_output=True)  # fmt: skip
+
+    def alone(name: str, graphs: str) -> bool:
+        command = [*bench, "--variant", name, "--set", f"backend.cuda_graphs={graphs}"]
+        done = subprocess.run(command, cwd=ROOT, env=env, text=True, capture_output=True)
         lines = (done.stdout + done.stderr).splitlines()
+        if done.returncode == 0:
+            print(f"{name} (cuda_graphs={graphs}): ok", flush=True)
+            return True
         error = next((line for line in reversed(lines) if "Error" in line), "")
-        print(f"{name}: {'ok' if done.returncode == 0 else 'FAILED ' + error}", flush=True)
-        if done.returncode:
-            print("\n".join("    " + line for line in lines[-40:]), flush=True)
+        print(f"{name} (cuda_graphs={graphs}): FAILED {error}", flush=True)
+        print("\n".join("    " + line for line in lines[-40:]), flush=True)
+        return False
+
+    for name in force_step.VARIANTS:
+        if name != "energy" and not alone(name, "auto"):
+            alone(name, "false")
 
 
 def main() -> None:

@@ -41,7 +41,7 @@ VARIANTS = {
     "energy_table_fused": (0.0, "triton", "table", False),
     "forces_table_fused": (1.0, "triton", "table", False),
 }
-CUDA_ONLY = ("energy_fused", "forces_fused", "energy_table_fused", "forces_table_fused")
+CUDA_ONLY = tuple(name for name, (_, ops, _, _) in VARIANTS.items() if ops == "triton")
 COLUMNS = ["name", "step_ms", "ratio_to_energy"]
 PLOT = ("name", "step_ms", "ms per training step")
 QUICK = {"rounds": 3, "steps": 3}
