@@ -17,6 +17,7 @@ from test_forces import ROOT, emt_frames
 from schnet_ipu.backends import TorchBackend
 from schnet_ipu.config import load_config
 from schnet_ipu.data import import_qm9
+from schnet_ipu.runlog import read_records
 from schnet_ipu.training import train
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -104,3 +105,10 @@ def test_force_training_run_captures_once(tmp_path: Path) -> None:
     graphed, eager = finals
     assert graphed["cuda_graph_captures"] == 1 and graphed["recompilations"] == 0
     assert graphed["test_force_mae"] == pytest.approx(eager["test_force_mae"], rel=1e-3)
+    # the epoch's training errors, summed inside the captured step (the first epoch's also
+    # count the graph's warm-up steps)
+    last = [
+        read_records(tmp_path / graphs / "metrics.jsonl", "epoch")[-1]
+        for graphs in ("true", "false")
+    ]
+    assert last[0]["train_force_mae"] == pytest.approx(last[1]["train_force_mae"], rel=1e-3)
