@@ -1,17 +1,19 @@
 """A lent GPU's checks in one call, in order of worth, while a time budget lasts.
 
     python scripts/gpu_session.py --out "$OUT" --seconds 520
+    python scripts/gpu_session.py --out "$OUT" --seconds 300 --only forces-each,tests
 
 Stages: the tests that need CUDA (Triton kernels on CUDA tensors, the captured and compiled
-steps); the gpu suite (a full QM9 epoch with profiles) at 512, 1,024 and 2,048 molecules per
-step, the compiled variants apart (their compile time is the least predictable); force-training
+steps); the gpu suite (a full QM9 epoch with profiles) at 512 to 4,096 molecules per step,
+the compiled variants apart (their compile time is the least predictable); force-training
 steps of every op flavour on the EMT clusters and the xTB molecules; a sweep of the Triton
-kernels' rows per program and warps; stock PyG at batch 32.
-Each stage runs in its own process under its own time limit, so one that fails or hangs
-leaves the rest; a stage whose estimate does not fit in the time left is skipped, and said
-so. Reports (JSON) and logs go to ``--out``; the last lines printed are a table of stages.
-A device session has minutes, not hours: the estimates are one H100/H200's.
-"""
+kernels' rows per program and warps; stock PyG at batch 32; each force variant alone
+(``forces-each``, to find a crash). Each stage runs in its own process under its own time
+limit, so one that fails or hangs leaves the rest; a stage whose estimate does not fit in
+the time left is skipped, and said so. Reports (JSON) and logs go to ``--out``; the last
+lines printed are a table of stages. The estimates are one H200's (2026-11-26). The
+reports' ``commit`` is what git says on the device machine, which may not be the tree sent:
+correct it when committing a report."""
 
 from __future__ import annotations
 
