@@ -88,8 +88,8 @@ def run(
     rows = [{"name": n, "step_ms": median[n], "ratio_to_energy": to_energy[n]} for n in names]
     ratios = {f"table_speedup_{kind}": value for kind, value in table_speedup.items()}
     if cuda:
-        ratios |= {f"fused_speedup_{n}": over(n, f"{n}_fused")
-                   for n in ("energy", "forces", "energy_table", "forces_table")}  # fmt: skip
+        ratios.update({f"fused_speedup_{n}": over(n, f"{n}_fused")
+                       for n in ("energy", "forces", "energy_table", "forces_table")})  # fmt: skip
     where = torch.cuda.get_device_name(device) if cuda else f"{torch.get_num_threads()} thread(s)"
     notes = [
         f"{config} {' '.join(overrides)} on {device} ({where}); the first {steps} host calls "
