@@ -228,7 +228,7 @@ class EnergyForceTask:
         if molecules == 0:  # no step since reset()
             return {}
         return {
-            "energy_mae_per_atom": e_abs / max(molecules, 1),
+            "energy_mae_per_atom": e_abs / molecules,
             "force_mae": f_abs / max(components, 1),
         }
 
