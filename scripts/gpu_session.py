@@ -34,34 +34,34 @@ SWEEP_STEPS = 40
 COMPILED = "compiled,compiled table,compiled fused,compiled fused table"
 
 
-def gpu(molecules: int, name: str, precisions: str, variants: str, pyg: str) -> list[str]:
-    """The arguments of one gpu-suite stage (comma-separated lists; empty: none)."""
-    return ["--gpu", str(molecules), "--name", name, "--precisions", precisions,
-            "--variants", variants, "--pyg", pyg]  # fmt: skip
-
-
 def stages(out: Path) -> list[tuple[str, float, float, list[str]]]:
     """(name, estimate s, limit s, command) in the order they run."""
     me = [sys.executable, str(Path(__file__).resolve()), "--out", str(out)]
+
+    def suite(molecules: int, name: str, precisions: str, variants: str, pyg: str) -> list[str]:
+        """One gpu-suite stage's command (comma-separated lists; empty: none)."""
+        return [*me, "--gpu", str(molecules), "--name", name, "--precisions", precisions,
+                "--variants", variants, "--pyg", pyg]  # fmt: skip
+
     bench = [sys.executable, "-m", "schnet_ipu.bench"]
     pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "8",
               "-m", "triton or not triton", *TESTS]  # fmt: skip
     forces = [*bench, "force_step", "--device", "cuda", "--quick",
               "--set", "packing.packs_per_batch=64"]  # fmt: skip
     xtb = [*forces, "--config", "configs/xtb_molecules.yaml"]
-    compiled = gpu(2048, "gpu-2048-compiled", "tf32", COMPILED, "")
-    largest = gpu(4096, "gpu-4096-compiled", "tf32", "compiled,compiled table", "")
+    compiled = suite(2048, "gpu-2048-compiled", "tf32", COMPILED, "")
+    largest = suite(4096, "gpu-4096-compiled", "tf32", "compiled,compiled table", "")
     return [
         ("tests", 60, 150, pytest),
-        ("gpu-512", 90, 150, [*me, *gpu(512, "gpu-512", "fp32,tf32,bf16", "fused,table", "")]),
-        ("gpu-2048", 60, 120, [*me, *gpu(2048, "gpu-2048", "fp32,tf32", "fused,table", "1024")]),
+        ("gpu-512", 90, 150, suite(512, "gpu-512", "fp32,tf32,bf16", "fused,table", "")),
+        ("gpu-2048", 60, 120, suite(2048, "gpu-2048", "fp32,tf32", "fused,table", "1024")),
         ("forces-emt", 40, 90, [*forces, "--json", str(out / "force-step-emt.json")]),
-        ("gpu-2048-compiled", 120, 200, [*me, *compiled]),
-        ("gpu-1024", 40, 90, [*me, *gpu(1024, "gpu-1024", "tf32", "fused,table", "")]),
+        ("gpu-2048-compiled", 120, 200, compiled),
+        ("gpu-1024", 40, 90, suite(1024, "gpu-1024", "tf32", "fused,table", "")),
         ("sweep", 60, 120, [*me, "--sweep"]),
         ("forces-xtb", 40, 90, [*xtb, "--json", str(out / "force-step-xtb.json")]),
-        ("gpu-4096-compiled", 60, 120, [*me, *largest]),
-        ("gpu-512-pyg32", 110, 150, [*me, *gpu(512, "gpu-512-pyg32", "tf32", "", "32")]),
+        ("gpu-4096-compiled", 60, 120, largest),
+        ("gpu-512-pyg32", 110, 150, suite(512, "gpu-512-pyg32", "tf32", "", "32")),
         ("forces-each", 90, 150, [*me, "--forces-each", *forces[4:]]),
     ]
 
@@ -128,9 +128,11 @@ def sweep_stage(out: Path) -> None:
     from schnet_ipu.model.ops import triton_kernels
     from schnet_ipu.pipeline import make_loader, prepare_data
 
-    base = gpu.paper_config(common.QM9_STORE, "cuda", 0, [])
-    data = prepare_data(base)
+    data = prepare_data(gpu.paper_config(common.QM9_STORE, "cuda", 0, []))
     packs = f"packing.packs_per_batch={common.packs_for(data, 1024)}"
+    loader_cfg = gpu.paper_config(common.QM9_STORE, "cuda", 0, [packs])
+    loader = make_loader(loader_cfg, data, "train", pin_memory=True, device="cuda")
+    calls = list(itertools.islice(loader.epoch(0), 8))  # every setting steps on these
     rows = []
     for filter_, block_rows, warps in itertools.product(("exact", "table"), SWEEP_ROWS,
                                                         SWEEP_WARPS):  # fmt: skip
@@ -138,8 +140,6 @@ def sweep_stage(out: Path) -> None:
         cfg = gpu.paper_config(common.QM9_STORE, "cuda", 0, [
             packs, "backend.precision=tf32", "backend.cuda_graphs=true", "model.ops=triton",
             f"model.filter={filter_}"])  # fmt: skip
-        loader = make_loader(cfg, data, "train", pin_memory=True, device="cuda")
-        calls = list(itertools.islice(loader.epoch(0), 8))
         backend = components.make_trainer(cfg, data, ReplicaInfo(), "cuda")[2]
         for call in calls:  # capture and warm-up
             backend.train_call(call)
