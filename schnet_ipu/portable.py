@@ -32,7 +32,10 @@ cubic coefficients [K - 1, 4, F] per block, computed once at build time in float
 filter network: :mod:`schnet_ipu.model.filter_table`); one trained with ``exact`` runs its
 filter network per pair. In Python with numba (``fused=True``), the table convolution is
 the compiled loop of :mod:`schnet_ipu.model.ops.fused_table`; the exported file reads the
-table in torch ops (same values). Elements the model never saw raise, by number.
+table in torch ops (same values): one ``embedding_bag`` per block of ``EDGE_CHUNK`` edges
+(the cubic's four rows weighted by powers of t, never gathered as [P, 4, F]), so its
+[edges, F] intermediates stay a few MB at any size. Elements the model never saw raise,
+by number.
 """
 
 from __future__ import annotations
@@ -50,6 +53,11 @@ from schnet_ipu.model.filter_table import filter_tables, hermite_coefficients
 from schnet_ipu.model.ops import fused_table
 from schnet_ipu.model.schnet import EMBEDDING_ROWS
 from schnet_ipu.model_file import TrainedModel
+
+# Edges per pass of the torch-ops convolution: its [edges, F] intermediates stay a few MB
+# (in cache, and reused by the allocator: one [E, F] tensor for 10,000 atoms is ~160 MB,
+# mapped afresh by every op)
+EDGE_CHUNK = 2048
 
 
 class ShiftedSoftplus(nn.Module):
@@ -85,12 +93,13 @@ class Convolution(nn.Module):
         self.lin2 = Linear(filters, hidden)
 
 
-def message_sum(
-    x: Tensor, source: Tensor, receiver: Tensor, filt: Tensor, symmetric: bool
+def message_add(
+    summed: Tensor, x: Tensor, source: Tensor, receiver: Tensor, filt: Tensor, symmetric: bool
 ) -> Tensor:
-    """``sum over edges j -> i of x[j] * filt[e]`` [N, F]; ``symmetric``: each (source,
-    receiver) is an unordered pair whose filter [P, F] also carries the message back."""
-    summed = torch.zeros_like(x).index_add_(0, receiver, x.index_select(0, source) * filt)
+    """Adds ``x[j] * filt[e]`` over edges j -> i into ``summed`` [N, F] (in place);
+    ``symmetric``: each (source, receiver) is an unordered pair whose filter [P, F] also
+    carries the message back."""
+    summed.index_add_(0, receiver, x.index_select(0, source) * filt)
     if symmetric:
         summed.index_add_(0, source, x.index_select(0, receiver) * filt)
     return summed
@@ -110,6 +119,7 @@ class Interaction(nn.Module):
         self.act = ShiftedSoftplus()
         self.lin = Linear(hidden, hidden)
         self.register_buffer("coefficients", torch.zeros(0, 4, filters), persistent=False)
+        self.edge_chunk = EDGE_CHUNK  # an attribute: TorchScript reads no module globals
 
     def forward(
         self,
@@ -127,47 +137,38 @@ class Interaction(nn.Module):
         reads rbf [P, G] and cut [P], the table the interval [P] and position t [P];
         ``directed`` [2, E]: the fused loop's edges, built once per call (empty otherwise)."""
         x = self.conv.lin1(h)
-        if self.coefficients.shape[0] == 0:
-            filt = self.mlp(rbf) * cut.unsqueeze(-1)
-            summed = message_sum(x, source, receiver, filt, symmetric)
+        if self.coefficients.shape[0] > 0 and directed.shape[1] > 0:
+            summed = self.fused_sum(x, directed, interval, t)
         else:
-            summed = self.table_sum(x, source, receiver, interval, t, symmetric, directed)
+            summed = torch.zeros_like(x)
+            for start in range(0, source.shape[0], self.edge_chunk):
+                end = start + self.edge_chunk
+                if self.coefficients.shape[0] == 0:
+                    filt = self.mlp(rbf[start:end]) * cut[start:end].unsqueeze(-1)
+                else:
+                    filt = self.table_filter(interval[start:end], t[start:end])
+                message_add(summed, x, source[start:end], receiver[start:end], filt, symmetric)
         return self.lin(self.act(self.conv.lin2(summed)))
 
-    def table_sum(
-        self,
-        x: Tensor,
-        source: Tensor,
-        receiver: Tensor,
-        interval: Tensor,
-        t: Tensor,
-        symmetric: bool,
-        directed: Tensor,
-    ) -> Tensor:
-        """:func:`message_sum` with each edge's filter read from the table (torch ops;
-        ``directed`` is the fused loop's)."""
-        intervals, _, filters = self.coefficients.shape
-        rows = self.coefficients.view(intervals, 4 * filters).index_select(0, interval)
-        c0, c1, c2, c3 = rows.view(-1, 4, filters).unbind(1)
-        s = t.unsqueeze(-1)
-        filt = ((c3 * s + c2) * s + c1) * s + c0
-        return message_sum(x, source, receiver, filt, symmetric)
+    def table_filter(self, interval: Tensor, t: Tensor) -> Tensor:
+        """The tabulated filter [P, F] of edges in ``interval`` [P] at position ``t`` [P]:
+        ``sum_p t^p c[interval, p]`` as one ``embedding_bag`` over the rows ``4 interval + p``
+        of the coefficients (no [P, 4, F] gather; its backward gives d/dt the same way)."""
+        powers = torch.stack([torch.ones_like(t), t, t * t, t * t * t], 1)  # [P, 4]
+        rows = (4 * interval).unsqueeze(1) + torch.arange(4, device=t.device)  # [P, 4]
+        table = self.coefficients.view(-1, self.coefficients.shape[2])  # [4 (K - 1), F]
+        return nn.functional.embedding_bag(rows, table, per_sample_weights=powers, mode="sum")
+
+    def fused_sum(self, x: Tensor, directed: Tensor, interval: Tensor, t: Tensor) -> Tensor:
+        """The table convolution as one compiled loop: :class:`FusedTableInteraction` only."""
+        raise RuntimeError("the fused table loop runs in FusedTableInteraction only")
 
 
 class FusedTableInteraction(Interaction):
     """The block with its table convolution as numba's compiled loop
     (:mod:`schnet_ipu.model.ops.fused_table`): Python only, never in an exported file."""
 
-    def table_sum(
-        self,
-        x: Tensor,
-        source: Tensor,
-        receiver: Tensor,
-        interval: Tensor,
-        t: Tensor,
-        symmetric: bool,
-        directed: Tensor,
-    ) -> Tensor:
+    def fused_sum(self, x: Tensor, directed: Tensor, interval: Tensor, t: Tensor) -> Tensor:
         mask = torch.ones(interval.shape[0], dtype=torch.bool)
         return fused_table.fused_table_conv(x, directed, self.coefficients, interval, t, mask)
 

@@ -195,6 +195,21 @@ def test_a_supercell_has_the_same_energy_per_atom(exported):
         np.testing.assert_allclose(big_f[: len(cell)], run_export(module, cell)[1], atol=FORCES)
 
 
+def test_edges_in_many_chunks_give_what_one_pass_gives(model_path):
+    """The torch-ops convolution walks the edges in chunks of ``edge_chunk``: 7 edges at a
+    time (dozens of chunks, a short last one) equals one pass, to 1e-12 in float64."""
+    one_pass = PortableSchNet.from_trained(load_trained(model_path), torch.float64)
+    chunked = PortableSchNet.from_trained(load_trained(model_path), torch.float64)
+    for block in chunked.interactions:
+        block.edge_chunk = 7
+    atoms = sheared_bulk()
+    pairs = len(frame_pairs(atoms.positions, atoms.cell.array, atoms.pbc, CUTOFF)[0])
+    assert pairs > 20 * 7 and pairs % 7
+    whole = run_export(one_pass, atoms)
+    for got, want in zip(run_export(torch.jit.script(chunked), atoms), whole):
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12 * np.abs(want).max())
+
+
 @pytest.mark.parametrize("full_list", [True, False])
 def test_an_engines_neighbour_list_gives_the_same_energy_forces_and_virial(exported, full_list):
     """ASE's ``neighbor_list("ijD")`` (a full list, as LAMMPS's) or its half, through
