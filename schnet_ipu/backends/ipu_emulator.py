@@ -185,14 +185,8 @@ class IpuEmulatorBackend:
         ``loss`` (mean over the step's A x R micro-batches) and ``molecules`` (their count)."""
         steps, accum, replicas = self.device_iterations, self.gradient_accumulation, self.replicas
         per_step = replicas * accum
-        if len(micro_batches) != steps * per_step:
-            raise ValueError(
-                f"train_call needs device_iterations x replicas x gradient_accumulation = "
-                f"{steps} x {replicas} x {accum} = {steps * per_step} micro-batches, "
-                f"got {len(micro_batches)}"
-            )
-        for batch in micro_batches:
-            self._shapes.training.check(batch)
+        factors = {"device_iterations": steps, "replicas": replicas, "gradient_accumulation": accum}
+        self._shapes.check_train_call(micro_batches, factors)
         self.model.train()
         records = []
         for step in range(steps):

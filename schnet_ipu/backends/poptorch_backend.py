@@ -253,14 +253,9 @@ class PoptorchBackend:
         ``loss`` (mean over the step's micro-batches of every instance: under PopRun one
         gloo all-reduce per host call) and ``molecules`` (this instance's count)."""
         steps = self.backend_cfg.device_iterations
-        expected = steps * self.backend_cfg.gradient_accumulation * self.replicas
-        if len(micro_batches) != expected:
-            raise ValueError(
-                f"train_call needs device_iterations x replicas x gradient_accumulation = "
-                f"{expected} micro-batches, got {len(micro_batches)}"
-            )
-        for batch in micro_batches:
-            self._shapes.training.check(batch)
+        factors = {"device_iterations": steps, "replicas": self.replicas,
+                   "gradient_accumulation": self.backend_cfg.gradient_accumulation}  # fmt: skip
+        self._shapes.check_train_call(micro_batches, factors)
         self._build(micro_batches[0])
         _swap_onto_device(self._predict, self._train)
         _, losses = self._train(*to_device_tuple(micro_batches))

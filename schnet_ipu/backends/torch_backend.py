@@ -86,6 +86,21 @@ class ShapeGuards:
     def recompilations(self) -> int:
         return self.training.recompilations + self.prediction.recompilations
 
+    def check_train_call(self, micro_batches: list[Batch], factors: dict[str, int]) -> None:
+        """Refuses a host call whose micro-batch count is not the product of ``factors``
+        (their names and values make the message) or whose batches change shape."""
+        expected = 1
+        for value in factors.values():
+            expected *= value
+        if len(micro_batches) != expected:
+            sizes = " x ".join(str(value) for value in factors.values())
+            raise ValueError(
+                f"train_call needs {' x '.join(factors)} = {sizes} = {expected} micro-batches, "
+                f"got {len(micro_batches)}"
+            )
+        for batch in micro_batches:
+            self.training.check(batch)
+
 
 def _describe(entry: tuple | None) -> str:
     if entry is None:
@@ -197,13 +212,8 @@ class TorchBackend:
         ``molecules`` (real molecules in them, this replica) and ``collectives``.
         """
         steps, accum = self.device_iterations, self.gradient_accumulation
-        if len(micro_batches) != steps * accum:
-            raise ValueError(
-                f"train_call needs device_iterations x gradient_accumulation = {steps} x {accum}"
-                f" = {steps * accum} micro-batches, got {len(micro_batches)}"
-            )
-        for batch in micro_batches:
-            self._shapes.training.check(batch)
+        factors = {"device_iterations": steps, "gradient_accumulation": accum}
+        self._shapes.check_train_call(micro_batches, factors)
         self.model.train()
         records = []
         for step in range(steps):
