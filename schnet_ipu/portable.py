@@ -32,10 +32,9 @@ cubic coefficients [K - 1, 4, F] per block, computed once at build time in float
 filter network: :mod:`schnet_ipu.model.filter_table`); one trained with ``exact`` runs its
 filter network per pair. In Python with numba (``fused=True``), the table convolution is
 the compiled loop of :mod:`schnet_ipu.model.ops.fused_table`; the exported file reads the
-table in torch ops (same values): one ``embedding_bag`` per block of ``EDGE_CHUNK`` edges
-(the cubic's four rows weighted by powers of t, never gathered as [P, 4, F]), so its
-[edges, F] intermediates stay a few MB at any size. Elements the model never saw raise,
-by number.
+table in torch ops (same values): one ``embedding_bag`` per ``EDGE_CHUNK`` edges (the
+cubic's four rows weighted by powers of t, never gathered as [P, 4, F]). Elements the
+model never saw raise, by number.
 """
 
 from __future__ import annotations
@@ -54,10 +53,8 @@ from schnet_ipu.model.ops import fused_table
 from schnet_ipu.model.schnet import EMBEDDING_ROWS
 from schnet_ipu.model_file import TrainedModel
 
-# Edges per pass of the torch-ops convolution: its [edges, F] intermediates stay a few MB
-# (in cache, and reused by the allocator: one [E, F] tensor for 10,000 atoms is ~160 MB,
-# mapped afresh by every op)
-EDGE_CHUNK = 2048
+# Edges per pass of the torch-ops convolution: [edges, F] tensors of ~1 MB stay in cache
+EDGE_CHUNK = 2048  # and in the allocator (10,000 Cu atoms at once: 160 MB, mapped per op)
 
 
 class ShiftedSoftplus(nn.Module):
