@@ -1,7 +1,7 @@
 """Stock PyG SchNet, the baseline of the throughput, model, loader, gpu and accuracy suites:
 ``torch_geometric.nn.models.SchNet`` out of the box on its ``DataLoader`` over our store's
 molecules. Its default radius graph needs torch-cluster (not installed): it gets one in pure
-torch (:class:`RadiusInteractionGraph`, built inside the timed step as PyG's own would be)."""
+torch (:func:`schnet`'s, built inside the timed step as PyG's own would be)."""
 
 from __future__ import annotations
 
@@ -20,15 +20,9 @@ NAME = "stock PyG SchNet"
 RADIUS_BUILDER = "schnet_ipu.data.radius_edges (pure torch, inside the timed step)"
 
 
-class RadiusInteractionGraph:
-    """PyG ``interaction_graph``: radius edges per molecule and their lengths, in plain torch."""
-
-    def __init__(self, cutoff: float) -> None:
-        self.cutoff = cutoff
-
-    def __call__(self, pos: torch.Tensor, batch: torch.Tensor):
-        edge_index = radius_edges(pos, self.cutoff, batch)
-        return edge_index, (pos[edge_index[0]] - pos[edge_index[1]]).norm(dim=-1)
+def with_lengths(edge_index: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a PyG ``interaction_graph`` returns: ``edge_index`` and the edges' lengths."""
+    return edge_index, (pos[edge_index[0]] - pos[edge_index[1]]).norm(dim=-1)
 
 
 def items(data: PreparedData, split: str = "train", limit: int | None = None) -> list:
@@ -44,13 +38,16 @@ def items(data: PreparedData, split: str = "train", limit: int | None = None) ->
 
 
 def schnet(size: ModelConfig, interaction_graph: Callable | None = None, **extra):
-    """PyG's SchNet of our size (``extra``: e.g. ``mean``), by default radius edges in torch."""
+    """PyG's SchNet of our size (``extra``: e.g. ``mean``), by default radius edges per molecule
+    in plain torch (``RADIUS_BUILDER``)."""
     from torch_geometric.nn.models import SchNet
 
+    def radius_graph(pos: torch.Tensor, batch: torch.Tensor):
+        return with_lengths(radius_edges(pos, size.cutoff, batch), pos)
+
+    graph = interaction_graph or radius_graph
     return SchNet(size.hidden_channels, size.num_filters, size.num_interactions,
-                  size.num_gaussians, size.cutoff,
-                  interaction_graph=interaction_graph or RadiusInteractionGraph(size.cutoff),
-                  **extra)  # fmt: skip
+                  size.num_gaussians, size.cutoff, interaction_graph=graph, **extra)  # fmt: skip
 
 
 def training_step(
@@ -76,7 +73,6 @@ def training_step(
         optimizer.step()
         return batch.num_graphs
 
-    model.train()
     return step
 
 
