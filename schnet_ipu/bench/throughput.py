@@ -6,7 +6,6 @@ tabulated filter) 10.6x stock PyG, the best single process 8.42x; packing over p
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -19,6 +18,8 @@ from schnet_ipu.pipeline import PreparedData
 PACKED = {"packed radius+tuple": ("radius", "tuple"), "packed knn+lpfhp": ("knn", "lpfhp")}
 COMPILED = " compiled"  # name suffix of variants whose step runs through torch.compile
 TABLE = " filter=table"  # name suffix of variants with the tabulated filter (model.filter)
+FILTERS = {"exact": "", "table": TABLE}  # model.filter -> name suffix
+REPLICAS = 2  # processes of the replicated variants
 PYG = pyg.NAME
 COLUMNS = ["name", "molecules_per_s", "step_ms", "molecules_per_step", "replicas",
            "threads_per_replica", "atoms_per_step", "node_efficiency", "edge_efficiency",
@@ -52,30 +53,25 @@ def replica_setup(rank: int, world: int, setups: dict[str, tuple]) -> tuple[dict
     return facts, calls
 
 
-def variants(padded: tuple[str, ...], compile: bool, table: bool, replicas: int) -> list[tuple]:
+def variants(padded: tuple[str, ...], compile: bool) -> list[tuple]:
     """(name, graph, packing, compiled, filter, replicas) of every variant of ours."""
-    filters = {"exact": "", "table": TABLE} if table else {"exact": ""}
     rows = [(name + suffix, graph, packing, False, filter_, 1)
-            for filter_, suffix in filters.items()
+            for filter_, suffix in FILTERS.items()
             for name, (graph, packing) in PACKED.items()]  # fmt: skip
     rows += [(f"pad_to_max {g}", g, "pad_to_max", False, "exact", 1) for g in padded]
     if compile:
         rows.append(("packed radius+tuple" + COMPILED, "radius", "tuple", True, "exact", 1))
         rows.append(("pad_to_max radius" + COMPILED, "radius", "pad_to_max", True, "exact", 1))
-    if compile and table:
         rows.append(("packed radius+tuple" + TABLE + COMPILED, "radius", "tuple", True, "table", 1))
-    name, compiled = f"packed radius+tuple {replicas} replicas", COMPILED if compile else ""
-    if replicas > 1:
-        rows += [(name + suffix + compiled, "radius", "tuple", compile, filter_, replicas)
-                 for filter_, suffix in filters.items()]  # fmt: skip
-    return rows
+    name, compiled = f"packed radius+tuple {REPLICAS} replicas", COMPILED if compile else ""
+    return rows + [(name + suffix + compiled, "radius", "tuple", compile, filter_, REPLICAS)
+                   for filter_, suffix in FILTERS.items()]  # fmt: skip
 
 
 def run(
     store: str | Path = common.QM9_STORE, sample: int = 10000, size: ModelConfig | None = None,
     timing: common.Timing | None = None, workers: int = 0, batch_molecules: int = 32,
-    padded: tuple[str, ...] = ("radius", "knn"), compile: bool = True, replicas: int = 2,
-    table: bool = True,
+    padded: tuple[str, ...] = ("radius", "knn"), compile: bool = True,
 ) -> dict:  # fmt: skip
     """Every variant side by side (``compile``: ``torch.compile`` twins, PyG stays eager)."""
     size = size or ModelConfig()
@@ -83,9 +79,7 @@ def run(
     results: dict[str, dict] = {}
     steps: dict[str, Callable[[], int]] = {}
     data, replicated = None, {}
-    for name, graph, packing, compiled, filter_, count in variants(
-        padded, compile, table, replicas
-    ):
+    for name, graph, packing, compiled, filter_, count in variants(padded, compile):
         setup = [f"model.graph={graph}", f"packing.algorithm={packing}",
                  "model.pair_symmetric=true", f"loader.workers={workers}",
                  f"backend.compile={compiled}", f"model.filter={filter_}"]  # fmt: skip
@@ -98,7 +92,7 @@ def run(
     results[PYG] = {"name": PYG, "graph": f"radius ({pyg.RADIUS_BUILDER})",
                     "packing": "PyG DataLoader", "workers": 0, "replicas": 1,
                     "threads_per_replica": torch.get_num_threads()}  # fmt: skip
-    with Replicas(replicas, replica_setup, replicated) if replicated else nullcontext() as group:
+    with Replicas(REPLICAS, replica_setup, replicated) as group:
         for name in replicated:
             steps[name] = group.step(name)
             results[name] = {"name": name, "graph": "radius", "packing": "tuple",
