@@ -207,17 +207,6 @@ def _cell(value: Any) -> str:
     return "" if value is None else str(value)
 
 
-def json_safe(value: Any) -> Any:
-    """``value`` with NaN and infinities as None, so the JSON is strict."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    return value
-
-
 def to_markdown(report: dict, columns: list[str]) -> str:
     m, rows = report["machine"], report["results"]
     lines = [
@@ -287,7 +276,9 @@ def write_report(
     out_dir.mkdir(parents=True, exist_ok=True)
     text, suite = to_markdown(report, columns), report["suite"]
     print(text)
-    payload = json.dumps(json_safe(report), indent=2, default=str, allow_nan=False)
+    # strict JSON: NaN and infinities read back as None (null)
+    strict = json.loads(json.dumps(report, default=str), parse_constant=lambda _: None)
+    payload = json.dumps(strict, indent=2)
     (out_dir / f"{suite}.json").write_text(payload)
     (out_dir / f"{suite}.md").write_text(text)
     bar_plot(report, *plot, out_dir / f"{suite}.png")
