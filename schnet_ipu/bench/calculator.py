@@ -120,11 +120,9 @@ def interleaved_latency(calls: dict[str, Callable], atoms: Atoms, rounds: int) -
 
 def call_exported(module: torch.jit.ScriptModule, atoms: Atoms) -> None:
     """One call of the exported file as an engine makes it: torch's default thread count."""
-    z, pos = torch.as_tensor(atoms.numbers), torch.as_tensor(atoms.positions)
-    if atoms.pbc.any():
-        module(z, pos, torch.as_tensor(atoms.cell.array), torch.as_tensor(atoms.pbc))
-    else:
-        module(z, pos)
+    periodic = atoms.pbc.any()
+    cell = (torch.as_tensor(atoms.cell.array), torch.as_tensor(atoms.pbc)) if periodic else ()
+    module(torch.as_tensor(atoms.numbers), torch.as_tensor(atoms.positions), *cell)
 
 
 def run(quick: bool = False, structures: list | None = None) -> dict:
@@ -138,27 +136,26 @@ def run(quick: bool = False, structures: list | None = None) -> dict:
             structures.append(("water box", "metal", water_box(15)))
     results = []
     with tempfile.TemporaryDirectory() as folder:
-        calcs, modules = {}, {}
+        # a model's calls in two groups: after the exported file's calls on torch's thread pool,
+        # a one-thread calculator call is slower (200 atoms: 8.7-10.2 ms; 7.5-7.7 among calculators)
+        calcs, groups = {}, {}  # groups: model -> (its calculators' calls, its exported files')
         for model, config, elements in (("paper", common.PAPER_CONFIG, MOLECULE_ELEMENTS),
                                         ("metal", METAL_CONFIG, CELL_ELEMENTS)):  # fmt: skip
             path = model_file(Path(folder), config, elements)
+            calculators, files = groups[model] = {}, {}
             for dtype in (torch.float32, torch.float64):
                 name = str(dtype).replace("torch.", "")
-                calcs[model, name] = SchNetCalculator(path, dtype=dtype)
+                calc = calcs[model, name] = SchNetCalculator(path, dtype=dtype)
+                calculators[f"calculator {name}"] = lambda a, c=calc: c.calculate(a, FORCES)
                 exported = Path(folder) / f"{model}-{name}.torchscript.pt"
                 export_model(path, exported, dtype=dtype)
-                modules[model, name] = torch.jit.load(str(exported))
+                module = torch.jit.load(str(exported))
+                files[f"exported {name}"] = functools.partial(call_exported, module)
         for structure, model, atoms in structures:
-            # two groups: after the exported file's calls on torch's thread pool, a one-thread
-            # calculator call is slower (200 atoms: 8.7-10.2 ms; 7.5-7.7 among calculators)
-            calculators, files = {}, {}
-            for dtype in ("float32", "float64"):
-                calculate = calcs[model, dtype].calculate
-                calculators[f"calculator {dtype}"] = lambda a, c=calculate: c(a, FORCES)
-                files[f"exported {dtype}"] = functools.partial(call_exported, modules[model, dtype])
             rounds = max(3, min(20, 2000 // len(atoms))) if not quick else 3
-            latency = interleaved_latency(calculators, atoms, rounds)
-            latency.update(interleaved_latency(files, atoms, rounds))
+            latency = {}
+            for group in groups[model]:
+                latency.update(interleaved_latency(group, atoms, rounds))
             load = os.getloadavg()[0]
             for name, ms in latency.items():
                 dtype = name.split()[-1]
