@@ -13,6 +13,7 @@ bench-only extra (``pip install -e .[bench]``); without it the suite stops with 
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import multiprocessing
 import os
@@ -28,7 +29,6 @@ from schnet_ipu.errors import UserError
 from schnet_ipu.pipeline import PreparedData, prepare_data
 
 DEFAULT_CONFIG = common.ROOT / "configs/emt_forces.yaml"
-OURS = "ours"
 COLUMNS = ["name", "minutes", "structures_per_s", "test_energy_mae_meV_per_atom",
            "test_energy_mae_eV", "test_force_mae", "structures_seen", "epochs",
            "load_1min"]  # fmt: skip
@@ -61,7 +61,7 @@ def write_split(data: PreparedData, path: Path) -> None:
     np.savez(path, **{f"{name}_idx": data.split[name] for name in ("train", "val", "test")})
 
 
-def train_ours(cfg: Config, minutes: float, run_dir: Path, name: str = OURS) -> dict:
+def train_ours(cfg: Config, minutes: float, run_dir: Path, name: str = "ours") -> dict:
     """Our trainer on ``cfg`` for ``minutes``: a result row with the validation curve."""
     final, row = common.train_for(cfg, minutes, run_dir, ["val_force_mae", "val_mae"])
     seen, tests = row["seen"], ("test_mae", "test_energy_mae_per_atom", "test_force_mae")
@@ -70,14 +70,12 @@ def train_ours(cfg: Config, minutes: float, run_dir: Path, name: str = OURS) -> 
             **{key: row[key] for key in ("epochs", "seconds", "curve")}}  # fmt: skip
 
 
-def _side(job: dict) -> dict:
-    """One side in its own process: its row."""
-    if job["side"] == OURS:
-        return train_ours(job["cfg"], job["minutes"], Path(job["run_dir"]), job["name"])
+def schnetpack_row(model_cfg, database: Path, split: Path, minutes: float) -> dict:
+    """schnetpack's side (:mod:`.schnetpack_side`) in its own process: its row."""
     from schnet_ipu.bench.schnetpack_side import train_schnetpack
 
-    os.chdir(Path(job["database"]).parent)  # its data module locks splitting.lock in "."
-    return train_schnetpack(job["model"], job["database"], job["split"], job["minutes"])
+    os.chdir(database.parent)  # its data module locks splitting.lock in "."
+    return train_schnetpack(model_cfg, database, split, minutes)
 
 
 def with_units(row: dict, minutes: float) -> dict:
@@ -103,26 +101,25 @@ def run(
         folder = Path(tmp)
         from schnet_ipu.bench.schnetpack_side import write_database
 
-        write_database(store_frames(data, cfg.data.target), data.dressed_atoms, folder / "db.db")
-        write_split(data, folder / "split.npz")
-        jobs = [
-            {"side": "schnetpack", "name": "schnetpack 2.1.1", "model": cfg.model,
-             "database": folder / "db.db", "split": folder / "split.npz", "minutes": minutes},
-            {"side": OURS, "name": OURS, "cfg": cfg, "minutes": minutes,
-             "run_dir": str(folder / "ours")},
-        ]  # fmt: skip
+        database, split = folder / "db.db", folder / "split.npz"
+        write_database(store_frames(data, cfg.data.target), data.dressed_atoms, database)
+        write_split(data, split)
+        sides = [  # each side's row, each in a fresh process
+            functools.partial(schnetpack_row, cfg.model, database, split, minutes),
+            functools.partial(train_ours, cfg, minutes, folder / "ours"),
+        ]
         for k, text in enumerate(variants or []):  # "NAME: key=value key=value"
             name, sep, extra = text.partition(":")
             if not sep or not name.strip():
                 raise UserError(f"--variant {text!r} must look like 'NAME: section.key=value ...'")
             variant = force_config(config, [*overrides, *extra.split()])
-            jobs.append({"side": OURS, "name": f"ours: {name.strip()}", "cfg": variant,
-                         "minutes": minutes, "run_dir": str(folder / f"variant{k}")})  # fmt: skip
+            run_dir, label = folder / f"variant{k}", f"ours: {name.strip()}"
+            sides.append(functools.partial(train_ours, variant, minutes, run_dir, label))
         rows = []
-        for start in range(0, len(jobs), parallel):  # fresh spawned processes, a wave at a time
-            wave = jobs[start : start + parallel]
-            with ProcessPoolExecutor(len(wave), multiprocessing.get_context("spawn")) as sides:
-                done = list(sides.map(_side, wave))
+        for start in range(0, len(sides), parallel):  # fresh spawned processes, a wave at a time
+            wave = sides[start : start + parallel]
+            with ProcessPoolExecutor(len(wave), multiprocessing.get_context("spawn")) as pool:
+                done = [future.result() for future in [pool.submit(side) for side in wave]]
             load = os.getloadavg()[0]  # the wave's
             rows += [with_units({**row, "load_1min": load}, minutes) for row in done]
     stock, mine = rows[0], rows[1]
