@@ -136,8 +136,7 @@ def run(
 ) -> dict:  # fmt: skip
     """Every variant side by side (CUDA graphs and Triton only on CUDA), PyG at each batch."""
     cuda = device.startswith("cuda")
-    cfg = paper_config(store, device, subset, list(overrides))
-    data = prepare_data(cfg)
+    data = prepare_data(paper_config(store, device, subset, list(overrides)))
     packs = f"packing.packs_per_batch={common.packs_for(data, molecules_per_step)}"
     setups, skipped = {}, []  # name -> (precision, CUDA graphs, overrides)
     for precision, graphs in itertools.product(precisions, (False, True) if cuda else (False,)):
@@ -149,25 +148,25 @@ def run(
             skipped.append(f"{name}: the Triton kernels need CUDA tensors")
         else:
             setups[name] = (VARIANT_PRECISION, cuda, VARIANTS[variant])
+    cfg = paper_config(store, device, subset, [*overrides, packs])
+    loader = make_loader(cfg, data, "train", pin_memory=cuda, device=device)
+    first_call = next(iter(loader.epoch(0)))
     configs: dict[str, Config] = {}
+    epochs, backends = {}, {}
     for name, (precision, graphs, extra) in setups.items():
         setting = [packs, f"backend.precision={precision}", f"backend.cuda_graphs={graphs}".lower()]
         try:
-            configs[name] = paper_config(store, device, subset, [*overrides, *setting, *extra])
+            variant = paper_config(store, device, subset, [*overrides, *setting, *extra])
         except ConfigError as error:  # e.g. a config without the tabulated filter
             skipped.append(f"{name}: {error}")
-    cfg = paper_config(store, device, subset, [*overrides, packs])
-    loader = make_loader(cfg, data, "train", pin_memory=cuda, device=device)
-    epochs, backends = {}, {}
-    first_call = next(iter(loader.epoch(0)))
-    for name, variant_cfg in configs.items():
-        epoch, backend = ours(variant_cfg, data, loader, device)
+            continue
+        epoch, backend = ours(variant, data, loader, device)
         try:  # a variant that cannot take a step is reported, and the others still run
             backend.train_call(first_call)
         except Exception as error:  # any failure of that first step
             skipped.append(f"{name}: its first step failed: {type(error).__name__}: {error}")
             continue
-        epochs[name], backends[name] = epoch, backend
+        configs[name], epochs[name], backends[name] = variant, epoch, backend
     items = pyg.items(data)
     for batch_size in sorted({*pyg_batches, molecules_per_step}):
         epochs[f"{PYG} batch {batch_size}"] = stock_pyg(data, cfg, batch_size, device, items)
