@@ -49,16 +49,11 @@ def run_epoch(loader: PackedLoader, epoch: int) -> int:
     return molecules
 
 
-def warm_epochs(loader: PackedLoader) -> Callable[[], int]:
-    """A timer step: the loader's next epoch (:func:`run_epoch`)."""
-    rounds = itertools.count(1)
-    return lambda: run_epoch(loader, next(rounds))
-
-
 def ours(
     cfg, data: PreparedData, name: str, workers: int, device: str, pairs_s: float, compiled: bool
-) -> tuple[dict, PackedLoader]:
-    """A mode's row with its cold rate (and facts), and its loader for the warm rounds."""
+) -> tuple[dict, PackedLoader, Callable[[], int]]:
+    """A mode's row with its cold rate (and facts), its loader, and the warm rounds' timer
+    step: the loader's next epoch."""
     cfg.loader.workers = workers
     cfg.loader.device_resident = "true" if device != "cpu" else "false"
     data.feeds.clear()  # read the store again: cold
@@ -76,7 +71,8 @@ def ours(
     row = {"name": name, "workers": workers, "device": str(arrays.device),
            "cold_molecules_per_s": molecules / (pairs_s + cold), "molecules": molecules,
            "feed_state_mb": (arrays.nbytes() + in_flight) / 2**20, "rss_mb": rss_mb()}  # fmt: skip
-    return row, loader
+    rounds = itertools.count(1)
+    return row, loader, lambda: run_epoch(loader, next(rounds))
 
 
 def stock(data: PreparedData, cutoff: float, batch_size: int, limit: int):
@@ -119,9 +115,8 @@ def run(
         modes += [("ours 0 workers, torch program", 0, "cpu", False)] if loop else []
         rows, steps = [], {}
         for name, count, where, compiled in [*modes, ("ours device-resident", 0, device, loop)]:
-            row, loader = ours(cfg, data, name, count, where, pairs_s, compiled)
+            row, loader, steps[name] = ours(cfg, data, name, count, where, pairs_s, compiled)
             rows.append(row)
-            steps[name] = warm_epochs(loader)
             print(f"{name}: cold {row['cold_molecules_per_s']:.0f} molecules/s", file=sys.stderr)
         per_batch = max(1, round(rows[0]["molecules"] / (len(loader) or 1)))
         reference, steps[PYG] = stock(data, cfg.model.cutoff, per_batch, pyg_molecules)
