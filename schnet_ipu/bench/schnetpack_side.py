@@ -94,7 +94,7 @@ def build_task(spk, model_cfg):
 def split_errors(spk, task, loader) -> dict[str, float]:
     """Energy MAE (eV, eV/atom), force MAE and loss (as ``val_loss``) on ``loader``, compared
     as ``AtomisticTask.test_step`` does (the model writes into the batch: targets first)."""
-    sums = dict.fromkeys(("energy", "per_atom", "forces", "loss"), 0.0)
+    sums = dict.fromkeys(("mae", "energy_mae_per_atom", "force_mae", "loss"), 0.0)
     structures, components = 0, 0
     task.eval()
     for batch in loader:
@@ -103,20 +103,19 @@ def split_errors(spk, task, loader) -> dict[str, float]:
         pred = task.predict_without_postprocessing(batch)
         energy_error = (pred["energy"].detach() - energy).double()
         force_error = (pred["forces"].detach() - forces).double()
-        sums["energy"] += float(energy_error.abs().sum())
-        sums["per_atom"] += float((energy_error.abs() / atoms).sum())
-        sums["forces"] += float(force_error.abs().sum())
+        sums["mae"] += float(energy_error.abs().sum())
+        sums["energy_mae_per_atom"] += float((energy_error.abs() / atoms).sum())
+        sums["force_mae"] += float(force_error.abs().sum())
         loss = LOSS_WEIGHTS["energy"] * energy_error.square().mean()
         loss += LOSS_WEIGHTS["forces"] * force_error.square().mean()
         sums["loss"] += float(loss) * len(energy)
         structures += len(energy)
         components += forces.numel()
     task.train()
+    # means per structure, the force MAE per force component
     return {
-        "mae": sums["energy"] / structures,
-        "energy_mae_per_atom": sums["per_atom"] / structures,
-        "force_mae": sums["forces"] / components,
-        "loss": sums["loss"] / structures,
+        key: total / (components if key == "force_mae" else structures)
+        for key, total in sums.items()
     }
 
 
