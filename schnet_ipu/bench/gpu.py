@@ -89,7 +89,7 @@ def ours(cfg: Config, data: PreparedData, loader: PackedLoader, device: str) -> 
 
 def stock_pyg(data: PreparedData, cfg: Config, batch_size: int, device: str, items: list) -> Epoch:
     """Stock PyG SchNet (the throughput suite's) for one epoch of ``batch_size`` batches."""
-    step = pyg.training_step(data, cfg.model, batch_size, device, items)
+    step = pyg.Trainer(data, cfg.model, batch_size, device, items).step
     steps = math.ceil(len(items) / batch_size)
     return lambda: {"molecules": sum(step() for _ in range(steps)), "steps": steps}
 

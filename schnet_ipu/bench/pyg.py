@@ -50,30 +50,34 @@ def schnet(size: ModelConfig, interaction_graph: Callable | None = None, **extra
                   size.num_gaussians, size.cutoff, interaction_graph=graph, **extra)  # fmt: skip
 
 
-def training_step(
-    data: PreparedData, size: ModelConfig, batch_size: int = 32, device: str = "cpu",
-    train_items: list | None = None,
-) -> Callable[[], int]:  # fmt: skip
-    """A timer step of stock PyG SchNet: our molecules and standardised loss, Adam 1e-3."""
-    from torch_geometric.loader import DataLoader
+class Trainer:
+    """Stock PyG SchNet of our size (``extra``: e.g. ``mean``) on shuffled batches of
+    ``train_items`` (default: the training split), Adam 1e-3, with our standardised loss
+    (``scale``: by default the data's residual std)."""
 
-    loader = DataLoader(train_items or items(data), batch_size=batch_size, shuffle=True)
-    torch.manual_seed(0)
-    model = schnet(size).to(device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    scale = data.residual_std
-    stream = (batch for _ in itertools.count() for batch in loader)  # reshuffled each epoch
+    def __init__(
+        self, data: PreparedData, size: ModelConfig, batch_size: int = 32, device: str = "cpu",
+        train_items: list | None = None, scale: float | None = None, **extra: float,
+    ) -> None:  # fmt: skip
+        from torch_geometric.loader import DataLoader
 
-    def step() -> int:
-        batch = next(stream).to(device)
-        optimizer.zero_grad(set_to_none=True)
-        pred = model(batch.z, batch.pos, batch.batch).view(-1)
+        loader = DataLoader(train_items or items(data), batch_size=batch_size, shuffle=True)
+        torch.manual_seed(0)
+        self.model = schnet(size, **extra).to(device)
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-3)
+        self.scale = data.residual_std if scale is None else scale
+        # reshuffled each epoch
+        self.batches = (batch.to(device) for _ in itertools.count() for batch in loader)
+
+    def step(self) -> int:
+        """One training step on the next batch: its molecules (a timer step)."""
+        batch = next(self.batches)
+        self.optimizer.zero_grad(set_to_none=True)
+        pred = self.model(batch.z, batch.pos, batch.batch).view(-1)
         mask = torch.ones_like(batch.y, dtype=torch.bool)
-        masked_mse(pred, batch.y, mask, scale).backward()
-        optimizer.step()
+        masked_mse(pred, batch.y, mask, self.scale).backward()
+        self.optimizer.step()
         return batch.num_graphs
-
-    return step
 
 
 def mae(model: torch.nn.Module, rows: list) -> float:

@@ -88,7 +88,7 @@ def run(
             continue
         row, data, steps[name] = ours(store, sample, size, setup, batch_molecules)
         results[name] = {"name": name, "graph": graph, "packing": packing, **row}
-    steps[PYG] = pyg.training_step(data, size, batch_molecules)
+    steps[PYG] = pyg.Trainer(data, size, batch_molecules).step
     results[PYG] = {"name": PYG, "graph": f"radius ({pyg.RADIUS_BUILDER})",
                     "packing": "PyG DataLoader", "workers": 0, "replicas": 1,
                     "threads_per_replica": torch.get_num_threads()}  # fmt: skip
