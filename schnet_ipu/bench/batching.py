@@ -86,11 +86,9 @@ def bench_dataset(
         rows.append({"label": label, "dataset": name, "algorithm": algorithm, "batch": batch,
                      "node_efficiency": node_eff, "edge_efficiency": edge_eff,
                      "distinct_shapes": len(shapes[label]), "batches": len(batches)})  # fmt: skip
-        wanted = {shape for shape, _ in shapes[label].most_common(max_shapes)}
-        for packs, layout in batches:  # the first batch of each wanted shape
-            if shape_of(layout) in wanted:
-                wanted.discard(shape_of(layout))
-                probes[label, shape_of(layout)] = (packs, layout)
+        first = {shape_of(layout): (packs, layout) for packs, layout in reversed(batches)}
+        for shape, _ in shapes[label].most_common(max_shapes):  # its first batch of the shape
+            probes[label, shape] = first[shape]
     batches = collate_groups(store, index, list(probes.values()))
     steps = {
         str(key): common.fwd_bwd(model, lambda b=b: masked_mse(model(b), b.y, b.graph_mask, 1.0))
