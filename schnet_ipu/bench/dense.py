@@ -66,12 +66,10 @@ def run(
             count, extra = setups[dataset]
             overrides = [*extra, f"model.graph={graph}", f"packing.algorithm={GRAPHS[graph]}",
                          f"model.message_passing={layout}"]  # fmt: skip
-            path = str(datasets[dataset][0])
-            row, step = variant(path, count, size, overrides, batch_molecules)
-            row.update(dataset=dataset, graph=graph, message_passing=layout)
-            row["label"] = f"{dataset}/{graph}/{layout}"
+            label, path = f"{dataset}/{graph}/{layout}", str(datasets[dataset][0])
+            row, steps[label] = variant(path, count, size, overrides, batch_molecules)
+            row.update(dataset=dataset, graph=graph, message_passing=layout, label=label)
             rows.append(row)
-            steps[row["label"]] = step
         rates = common.measure_side_by_side(steps, timing)
     ratios = {}
     for row in rows:
