@@ -76,8 +76,7 @@ def run(
             backend=dataclasses.replace(cfg.backend, compile=compiled))  # fmt: skip
         backend = make_trainer(variant, data, ReplicaInfo(), device)[2]
         timer_steps[name] = functools.partial(timed_call, backend, itertools.cycle(batches), cuda)
-    timing = common.Timing(warmup=1, steps=steps, repeats=rounds)
-    rates = common.measure_side_by_side(timer_steps, timing)
+    rates = common.measure_side_by_side(timer_steps, common.Timing(1, steps, rounds))
     median = {name: 1000 * rate.step_seconds for name, rate in rates.items()}
     to_energy = {name: median[name] / median["energy"] for name in names}
 

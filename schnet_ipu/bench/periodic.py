@@ -6,6 +6,7 @@ molecular one."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -55,12 +56,10 @@ def neighbour_lists(pos: np.ndarray, cells: np.ndarray, rounds: int = 3) -> dict
     calculator = vesin.NeighborList(cutoff=CUTOFF, full_list=True)
     builders = {"vesin": lambda a: calculator.compute(a.positions, a.cell.array, True, "ijS"),
                 "ase": lambda a: neighbor_list("ijS", a, CUTOFF)}  # fmt: skip
-    try:  # a comparison only: `pip install matscipy` to time it too
+    with contextlib.suppress(ImportError):  # a comparison only: `pip install matscipy` to time it
         import matscipy.neighbours
 
         builders["matscipy"] = lambda a: matscipy.neighbours.neighbour_list("ijS", a, CUTOFF)
-    except ImportError:
-        pass
     counts = {name: len(build(frames[0])[0]) for name, build in builders.items()}
     if len(set(counts.values())) != 1:
         raise RuntimeError(f"the libraries disagree on frame 0's pairs: {counts}")
@@ -95,8 +94,7 @@ def step_times(store: MoleculeStore, steps: int, rounds: int = 5) -> dict[str, f
         return common.fwd_bwd(model, lambda: loss_fn(model, next(calls)), optimizer=optimizer)
 
     steps = {"periodic": train(periodic), "molecular": train(molecular)}
-    timing = common.Timing(warmup=2, steps=len(periodic), repeats=rounds)
-    rates = common.measure_side_by_side(steps, timing)
+    rates = common.measure_side_by_side(steps, common.Timing(2, len(periodic), rounds))
     return {name: 1000 * rate.step_seconds for name, rate in rates.items()}
 
 
