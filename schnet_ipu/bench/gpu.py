@@ -39,8 +39,7 @@ VARIANTS = {"compiled": ["backend.compile=true"], "fused": ["model.ops=triton"],
             "compiled fused table": ["backend.compile=true", "model.ops=triton",
                                      "model.filter=table"],
             "compiled table": ["backend.compile=true", "model.filter=table"]}  # fmt: skip
-# the Triton kernels need CUDA tensors
-CUDA_ONLY = ("fused", "table", "compiled fused", "compiled fused table")
+CUDA_ONLY = tuple(n for n, extra in VARIANTS.items() if "model.ops=triton" in extra)  # Triton: CUDA
 QUICK = {"rounds": 1, "pyg_batches": (32, 128)}
 PROFILE_STEPS = 20
 PROFILE_ROWS = 15
