@@ -1,15 +1,18 @@
 """Make a molecular energy + force data set: QM9 molecules displaced around their GFN2-xTB
 minimum, labelled by GFN2-xTB through tblite.
 
-    python scripts/make_xtb_molecules.py --out data/xtb_molecules.extxyz [--molecules 200]
+    python scripts/make_xtb_molecules.py --out data/xtb_molecules.extxyz [--molecules 1000]
 
 ``--molecules`` molecules drawn at random from qm9pack's first file (its B3LYP geometries,
 read the way :mod:`schnet_ipu.data.qm9` reads them), each relaxed a little with BFGS under
 GFN2-xTB (to GFN2's own equilibrium, not B3LYP's), then written as ``--frames`` copies
 displaced by random Gaussian displacements of ``--rattle`` A per coordinate (no MD): the
 energies (eV, ``atoms.info["energy"]``) and forces (eV/A, ``atoms.arrays["forces"]``) of
-GFN2-xTB. Deterministic from ``--seed``; about 40 s on one core for the default 200 x 10 =
-2000 frames (9-23 atoms, H C N O).
+GFN2-xTB. Deterministic from ``--seed``; about 2 minutes on one core for the default
+1,000 x 10 = 10,000 frames (9-26 atoms, H C N O). The default was 200 molecules (2,000
+frames) until the 15-minute comparison with schnetpack showed that set too small: our side
+saw every frame 300 times and its validation force MAE stopped falling after 700 s
+(docs/benchmarks/forces-recipe-search.md, round 5).
 
 tblite (``pip install tblite``, a bench-only extra: ``pip install -e .[bench]``) gives the
 ASE calculator ``tblite.ase.TBLite``; one OpenMP thread per process is fastest for
@@ -72,7 +75,7 @@ def make_frames(molecules: int, frames: int, rattle: float, seed: int) -> list[A
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="extxyz file to write")
-    parser.add_argument("--molecules", type=int, default=200)
+    parser.add_argument("--molecules", type=int, default=1000)
     parser.add_argument("--frames", type=int, default=10, help="displaced frames per molecule")
     parser.add_argument("--rattle", type=float, default=0.05, help="Angstrom (Gaussian sigma)")
     parser.add_argument("--seed", type=int, default=0)
