@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 DENSE_PAIRS = 65536  # below this many (atom, atom or image) candidates: all pairs at once
+CENTRE_BLOCK = 1024  # centres whose candidates are gathered at once (~300 each in a metal)
 
 
 def lexicographically_positive(shift: Tensor) -> Tensor:
@@ -63,11 +64,15 @@ def periodic_images(
 
 
 def candidate_pairs(
-    centres: Tensor, points: Tensor, cutoff: float, dense_pairs: int = DENSE_PAIRS
+    centres: Tensor,
+    points: Tensor,
+    cutoff: float,
+    dense_pairs: int = DENSE_PAIRS,
+    centre_block: int = CENTRE_BLOCK,
 ) -> Tuple[Tensor, Tensor]:
     """Every (centre c, point p) within ``cutoff`` (c [C], p [C] int64), for centres [N, 3]
     and points [M, 3] (the centres' region covered by the points), by bins of side cutoff,
-    or all pairs at once below ``dense_pairs`` candidates."""
+    or all pairs at once below ``dense_pairs`` candidates; ``centre_block`` centres at a time."""
     n, m = centres.shape[0], points.shape[0]
     if n * m <= dense_pairs:
         square = (centres.unsqueeze(1) - points.unsqueeze(0)).square().sum(-1)  # [N, M]
@@ -81,7 +86,29 @@ def candidate_pairs(
     centre_bin = torch.floor((centres - low) / cutoff).long()
     step = torch.arange(-1, 2, device=centres.device)
     around = torch.cartesian_prod(step, step, step)  # [27, 3]
-    near_bin = centre_bin.unsqueeze(1) + around  # [N, 27, 3]
+    found_c: List[Tensor] = []
+    found_p: List[Tensor] = []
+    for first in range(0, n, centre_block):  # blocks: candidate arrays of a few MB at any N
+        block = centre_bin[first : first + centre_block]
+        c, p = _block_candidates(block, dims, sorted_key, order, around)
+        c = c + first
+        square = centres.new_zeros(c.shape[0])
+        for axis in range(3):  # 1-D gathers: faster than rows of 3
+            square += (
+                points[:, axis].index_select(0, p) - centres[:, axis].index_select(0, c)
+            ) ** 2
+        close = square <= cutoff * cutoff
+        found_c.append(c[close])
+        found_p.append(p[close])
+    return torch.cat(found_c), torch.cat(found_p)
+
+
+def _block_candidates(
+    centre_bin: Tensor, dims: Tensor, sorted_key: Tensor, order: Tensor, around: Tensor
+) -> Tuple[Tensor, Tensor]:
+    """(centre c [C] in the block, point p [C]): every point in the 27 bins around each
+    centre's bin ``centre_bin`` [B, 3] (points by ``sorted_key`` and its ``order``)."""
+    near_bin = centre_bin.unsqueeze(1) + around  # [B, 27, 3]
     inside = ((near_bin >= 0) & (near_bin < dims)).all(-1).view(-1)
     near_key = (near_bin[..., 0] * dims[1] + near_bin[..., 1]) * dims[2] + near_bin[..., 2]
     near_key = near_key.view(-1)
@@ -89,15 +116,13 @@ def candidate_pairs(
     count = torch.where(inside, torch.searchsorted(sorted_key, near_key, right=True) - start, 0)
     total = int(count.sum())
     first = torch.cumsum(count, 0) - count
-    slot = torch.arange(total, device=centres.device) - torch.repeat_interleave(first, count)
+    slot = torch.arange(total, device=centre_bin.device) - torch.repeat_interleave(first, count)
     p = order.index_select(0, torch.repeat_interleave(start, count) + slot)
-    per_centre = count.view(n, 27).sum(1)
-    c = torch.repeat_interleave(torch.arange(n, device=centres.device), per_centre)
-    square = centres.new_zeros(total)
-    for axis in range(3):  # 1-D gathers: faster than rows of 3
-        square += (points[:, axis].index_select(0, p) - centres[:, axis].index_select(0, c)) ** 2
-    close = square <= cutoff * cutoff
-    return c[close], p[close]
+    per_centre = count.view(-1, 27).sum(1)
+    c = torch.repeat_interleave(
+        torch.arange(centre_bin.shape[0], device=centre_bin.device), per_centre
+    )
+    return c, p
 
 
 def neighbour_pairs(

@@ -21,6 +21,7 @@ from ase.calculators.emt import EMT
 from ase.neighborlist import neighbor_list
 from batches import assert_same_batches, epoch_batches
 
+from schnet_ipu import cell_list
 from schnet_ipu.backends.poptorch_ops import check_poptorch_ops
 from schnet_ipu.batch import Batch
 from schnet_ipu.batch_layout import Layout
@@ -79,6 +80,27 @@ def test_vesin_pairs_are_ases_neighbour_list(pbc):
     if sum(pbc):  # self-images and several images of one neighbour
         assert np.any(i == j)
         assert len({(a, b) for a, b, _ in pairs}) < len(pairs)
+
+
+@pytest.mark.parametrize("pbc", [(True, True, True), (True, False, True), (False,) * 3], ids=str)
+def test_the_torch_cell_lists_bins_in_blocks_of_centres_find_every_pair(pbc):
+    """The exported file's own search: bins of side cutoff, 7 centres at a time (a dozen
+    blocks, a short last one) find what comparing every pair finds; and the whole search is
+    ASE's neighbour list."""
+    atoms = triclinic(pbc, repeat=(4, 4, 3))
+    pos, cell = torch.as_tensor(atoms.positions), torch.as_tensor(atoms.cell.array)
+    wrap, points, _, _ = cell_list.periodic_images(pos, cell, torch.as_tensor(pbc), CUTOFF)
+    centres = pos - wrap @ cell
+    every = cell_list.candidate_pairs(centres, points, CUTOFF, dense_pairs=10**9)
+    binned = cell_list.candidate_pairs(centres, points, CUTOFF, dense_pairs=0, centre_block=7)
+
+    def sorted_pairs(c: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        return torch.sort(c * len(points) + p).values
+
+    assert torch.equal(sorted_pairs(*binned), sorted_pairs(*every)) and len(every[0]) > 0
+    assert bool((binned[0][1:] >= binned[0][:-1]).all())  # blocks keep the centres' order
+    i, j, shift = cell_list.neighbour_pairs(pos, cell, torch.as_tensor(pbc), CUTOFF)
+    assert full_list(i.numpy(), j.numpy(), shift.numpy()) == ase_list(atoms, CUTOFF)
 
 
 def emt_frames(count: int) -> list[Atoms]:
