@@ -57,6 +57,25 @@ from schnet_ipu.model_file import TrainedModel
 EDGE_CHUNK = 2048  # and in the allocator (10,000 Cu atoms at once: 160 MB, mapped per op)
 
 
+def bag_weights_differentiable() -> bool:
+    """Whether this torch differentiates ``embedding_bag`` by its per-sample weights alone:
+    torch 2.0.1 (the Poplar SDK's) fails an internal assert (isDifferentiableType) when the
+    table needs no gradient, so a file exported there reads the table by gathering."""
+    weight = torch.ones(1, 1, requires_grad=True)
+    rows = torch.zeros(1, 1, dtype=torch.long)
+    try:
+        bag = nn.functional.embedding_bag(
+            rows, torch.ones(1, 1), None, per_sample_weights=weight, mode="sum"
+        )
+        torch.autograd.grad([bag.sum()], [weight])
+    except RuntimeError:
+        return False
+    return True
+
+
+BAG_TABLE = bag_weights_differentiable()
+
+
 class ShiftedSoftplus(nn.Module):
     """``softplus(x) - log 2`` (torch's softplus: overflow-free; x above 20 passes as x, off
     by under 2e-9)."""
@@ -117,6 +136,7 @@ class Interaction(nn.Module):
         self.lin = Linear(hidden, hidden)
         self.register_buffer("coefficients", torch.zeros(0, 4, filters), persistent=False)
         self.edge_chunk = EDGE_CHUNK  # an attribute: TorchScript reads no module globals
+        self.bag_table = BAG_TABLE
 
     def forward(
         self,
@@ -150,11 +170,18 @@ class Interaction(nn.Module):
     def table_filter(self, interval: Tensor, t: Tensor) -> Tensor:
         """The tabulated filter [P, F] of edges in ``interval`` [P] at position ``t`` [P]:
         ``sum_p t^p c[interval, p]`` as one ``embedding_bag`` over the rows ``4 interval + p``
-        of the coefficients (no [P, 4, F] gather; its backward gives d/dt the same way)."""
-        powers = torch.stack([torch.ones_like(t), t, t * t, t * t * t], 1)  # [P, 4]
-        rows = (4 * interval).unsqueeze(1) + torch.arange(4, device=t.device)  # [P, 4]
-        table = self.coefficients.view(-1, self.coefficients.shape[2])  # [4 (K - 1), F]
-        return nn.functional.embedding_bag(rows, table, per_sample_weights=powers, mode="sum")
+        of the coefficients (no [P, 4, F] gather; its backward gives d/dt the same way), or
+        where this torch cannot (``bag_table`` False) the gathered rows' cubic."""
+        if self.bag_table:
+            powers = torch.stack([torch.ones_like(t), t, t * t, t * t * t], 1)  # [P, 4]
+            rows = (4 * interval).unsqueeze(1) + torch.arange(4, device=t.device)  # [P, 4]
+            table = self.coefficients.view(-1, self.coefficients.shape[2])  # [4 (K - 1), F]
+            return nn.functional.embedding_bag(rows, table, per_sample_weights=powers, mode="sum")
+        intervals, _, filters = self.coefficients.shape
+        gathered = self.coefficients.view(intervals, 4 * filters).index_select(0, interval)
+        c0, c1, c2, c3 = gathered.view(-1, 4, filters).unbind(1)
+        s = t.unsqueeze(-1)
+        return torch.addcmul(c0, torch.addcmul(c1, torch.addcmul(c2, c3, s), s), s)
 
     def fused_sum(self, x: Tensor, directed: Tensor, interval: Tensor, t: Tensor) -> Tensor:
         """The table convolution as one compiled loop: :class:`FusedTableInteraction` only."""
