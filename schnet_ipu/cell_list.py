@@ -2,6 +2,7 @@
 runs itself (TorchScript; a libtorch, LAMMPS or i-PI user has no vesin).
 
     i, j, shift = neighbour_pairs(pos, cell, pbc, cutoff)   # half list, O(N)
+    i, j = knn_pairs(pos, cutoff, k)                         # a knn model's (molecules)
 
 A pair (i, j, S) says that atom j's image ``pos[j] + S @ cell`` lies within ``cutoff`` of
 atom i (ASE's ``neighbor_list("ijS")`` convention, as :mod:`schnet_ipu.data.periodic_pairs`):
@@ -20,6 +21,7 @@ atom-image pairs) take every pair at once instead, which is faster there.
 
 from __future__ import annotations
 
+import math
 from typing import List, Optional, Tuple  # typing's forms: TorchScript on Python 3.8
 
 import torch
@@ -152,3 +154,17 @@ def neighbour_pairs(
 def _half(i: Tensor, j: Tensor, shift: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     keep = (i < j) | ((i == j) & lexicographically_positive(shift))
     return i[keep], j[keep], shift[keep]
+
+
+def knn_pairs(pos: Tensor, cutoff: float, k: int) -> Tuple[Tensor, Tensor]:
+    """(receiver i, source j) [N k'] of a knn graph: the ``k`` nearest atoms within
+    ``cutoff`` of every atom of ``pos`` [N, 3], from the [N, N] distance matrix (molecules
+    of up to some thousand atoms)."""
+    n = pos.shape[0]
+    sq = (pos.unsqueeze(1) - pos.unsqueeze(0)).square().sum(-1)  # [N, N], [i, j]
+    allowed = (sq <= cutoff * cutoff) & ~torch.eye(n, dtype=torch.bool, device=pos.device)
+    found = min(k, n - 1)
+    best, source = torch.topk(sq.masked_fill(~allowed, math.inf), found, dim=1, largest=False)
+    receiver = torch.arange(n, device=pos.device).unsqueeze(1).expand(n, found)
+    real = torch.isfinite(best)
+    return receiver[real], source[real]

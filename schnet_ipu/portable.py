@@ -35,6 +35,9 @@ the compiled loop of :mod:`schnet_ipu.model.ops.fused_table`; the exported file 
 table in torch ops (same values): one ``embedding_bag`` per ``EDGE_CHUNK`` edges (the
 cubic's four rows weighted by powers of t, never gathered as [P, 4, F]). Elements the
 model never saw raise, by number.
+
+About 410 lines, one file: the whole exported model (blocks, both filter readings, the
+three entry points), as PyG's ``schnet.py`` keeps its model in one file to read top down.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import Embedding, Linear
 
-from schnet_ipu.cell_list import neighbour_pairs
+from schnet_ipu.cell_list import knn_pairs, neighbour_pairs
 from schnet_ipu.model.blocks import EXPONENT_FLOOR
 from schnet_ipu.model.filter_table import filter_tables, hermite_coefficients
 from schnet_ipu.model.ops import fused_table
@@ -300,20 +303,6 @@ class PortableSchNet(nn.Module):
         module.atom_reference = reference  # .to(dtype) rounded it: float64 again
         return module
 
-    def knn_pairs(self, pos: Tensor) -> Tuple[Tensor, Tensor]:
-        """(receiver i, source j) [N k'] of a knn model: the k nearest within the cutoff of
-        every atom, from the [N, N] distance matrix (molecules of up to some thousand atoms)."""
-        n = pos.shape[0]
-        sq = (pos.unsqueeze(1) - pos.unsqueeze(0)).square().sum(-1)  # [N, N], [i, j]
-        allowed = (sq <= self.cutoff * self.cutoff) & ~torch.eye(
-            n, dtype=torch.bool, device=pos.device
-        )
-        found = min(self.k, n - 1)
-        best, source = torch.topk(sq.masked_fill(~allowed, math.inf), found, dim=1, largest=False)
-        receiver = torch.arange(n, device=pos.device).unsqueeze(1).expand(n, found)
-        real = torch.isfinite(best)
-        return receiver[real], source[real]
-
     def check(self, z: Tensor, pos: Tensor) -> None:
         if z.dim() != 1 or pos.dim() != 2 or pos.shape[1] != 3 or pos.shape[0] != z.shape[0]:
             raise ValueError("expected z [N] and pos [N, 3]")
@@ -339,7 +328,7 @@ class PortableSchNet(nn.Module):
         if self.k > 0:
             if cell is not None and (pbc is None or bool(pbc.any())):
                 raise ValueError("a knn model takes molecules only: give no cell")
-            receiver, source = self.knn_pairs(own)
+            receiver, source = knn_pairs(own, self.cutoff, self.k)
             offsets = own.new_zeros((receiver.shape[0], 3))
             energy, forces, virial = self.evaluate(z, own, receiver, source, offsets, False)
         else:
