@@ -46,8 +46,8 @@ def stages(out: Path) -> list[tuple[str, float, float, list[str]]]:
     bench = [sys.executable, "-m", "schnet_ipu.bench"]
     pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "8",
               "-m", "triton or not triton", *TESTS]  # fmt: skip
-    forces = [*bench, "force_step", "--device", "cuda", "--quick",
-              "--set", "packing.packs_per_batch=64"]  # fmt: skip
+    on_cuda = ["--device", "cuda", "--quick", "--set", "packing.packs_per_batch=64"]
+    forces = [*bench, "force_step", *on_cuda]
     xtb = [*forces, "--config", "configs/xtb_molecules.yaml"]
     compiled = suite(2048, "gpu-2048-compiled", "tf32", COMPILED, "")
     largest = suite(4096, "gpu-4096-compiled", "tf32", "compiled,compiled table", "")
@@ -62,7 +62,7 @@ def stages(out: Path) -> list[tuple[str, float, float, list[str]]]:
         ("forces-xtb", 40, 90, [*xtb, "--json", str(out / "force-step-xtb.json")]),
         ("gpu-4096-compiled", 60, 120, largest),
         ("gpu-512-pyg32", 110, 150, suite(512, "gpu-512-pyg32", "tf32", "", "32")),
-        ("forces-each", 90, 150, [*me, "--forces-each", *forces[4:]]),
+        ("forces-each", 90, 150, [*me, "--forces-each", *on_cuda]),
     ]
 
 
