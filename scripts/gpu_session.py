@@ -21,6 +21,7 @@ import argparse
 import itertools
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -62,7 +63,7 @@ def stages(out: Path) -> list[tuple[str, float, float, list[str]]]:
         ("forces-xtb", 40, 90, [*xtb, "--json", str(out / "force-step-xtb.json")]),
         ("gpu-4096-compiled", 60, 120, largest),
         ("gpu-512-pyg32", 110, 150, suite(512, "gpu-512-pyg32", "tf32", "", "32")),
-        ("forces-each", 90, 150, [*me, "--forces-each", *on_cuda]),
+        ("forces-each", 120, 330, [*me, "--forces-each", *on_cuda]),
     ]
 
 
@@ -157,30 +158,49 @@ def sweep_stage(out: Path) -> None:
 
 
 def forces_each_stage(arguments: list[str]) -> None:
-    """Each force_step variant alone, in its own process, with CUDA_LAUNCH_BLOCKING=1: which
-    one fails, and at which launch (an illegal memory access ended the EMT force steps of
-    the second H200 call, after every variant's first captured step had run); a variant
-    that fails runs again without CUDA graphs, to tell the capture from the kernels."""
+    """Each force_step variant alone (with ``energy``), in its own process: which one fails
+    (an illegal memory access ended the EMT force steps of the second H200 call, after every
+    variant's first captured step had run). A variant prints its table rows when it passes;
+    one that fails runs again without CUDA graphs under CUDA_LAUNCH_BLOCKING=1 (which op
+    launched the bad access), and the first failure once more under compute-sanitizer's
+    memcheck (which kernel, which address), where the machine has it."""
     from schnet_ipu.bench import force_step
 
     bench = [sys.executable, "-m", "schnet_ipu.bench", "force_step", *arguments]
-    env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1")
 
-    def alone(name: str, graphs: str) -> bool:
-        command = [*bench, "--variant", name, "--set", f"backend.cuda_graphs={graphs}"]
-        done = subprocess.run(command, cwd=ROOT, env=env, text=True, capture_output=True)
+    def alone(
+        name: str, graphs: str, blocking: bool, wrapper: tuple[str, ...] = (), limit: int = 90
+    ) -> bool:
+        command = [*wrapper, *bench, "--variant", name, "--set", f"backend.cuda_graphs={graphs}"]
+        env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1" if blocking else "0")
+        extras = ", blocking" * blocking + ", memcheck" * bool(wrapper)
+        how = f"{name} (cuda_graphs={graphs}{extras})"
+        try:
+            done = subprocess.run(command, cwd=ROOT, env=env, text=True, capture_output=True,
+                                  timeout=limit)  # fmt: skip
+        except subprocess.TimeoutExpired as expired:
+            print(f"{how}: timed out after {limit} s", flush=True)
+            text = expired.stdout.decode() if isinstance(expired.stdout, bytes) else expired.stdout
+            print("\n".join("    " + line for line in (text or "").splitlines()[-30:]), flush=True)
+            return False
         lines = (done.stdout + done.stderr).splitlines()
-        if done.returncode == 0:
-            print(f"{name} (cuda_graphs={graphs}): ok", flush=True)
+        if done.returncode == 0 and not wrapper:
+            rows = [line for line in lines if line.startswith("| ") and "---" not in line]
+            print(f"{how}: ok  " + "  ".join(rows[1:]), flush=True)
             return True
         error = next((line for line in reversed(lines) if "Error" in line), "")
-        print(f"{name} (cuda_graphs={graphs}): FAILED {error}", flush=True)
+        print(f"{how}: exit {done.returncode} {error}", flush=True)
         print("\n".join("    " + line for line in lines[-40:]), flush=True)
         return False
 
+    failed = []  # (variant, the cuda_graphs setting it failed with last)
     for name in force_step.VARIANTS:
-        if name != "energy" and not alone(name, "auto"):
-            alone(name, "false")
+        if name != "energy" and not alone(name, "auto", blocking=False):
+            failed.append((name, "auto" if alone(name, "false", blocking=True) else "false"))
+    sanitizer = shutil.which("compute-sanitizer")
+    if failed and sanitizer:
+        memcheck = (sanitizer, "--tool", "memcheck", "--print-limit", "8")
+        alone(*failed[0], blocking=False, wrapper=memcheck, limit=150)
 
 
 def main() -> None:
