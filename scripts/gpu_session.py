@@ -8,12 +8,13 @@ steps); the gpu suite (a full QM9 epoch with profiles) at 512 to 4,096 molecules
 the compiled variants apart (their compile time is the least predictable); force-training
 steps of every op flavour on the EMT clusters and the xTB molecules; a sweep of the Triton
 kernels' rows per program and warps; stock PyG at batch 32; each force variant alone
-(``forces-each``, to find a crash). Each stage runs in its own process under its own time
-limit, so one that fails or hangs leaves the rest; a stage whose estimate does not fit in
-the time left is skipped, and said so. Reports (JSON) and logs go to ``--out``; the last
-lines printed are a table of stages. The estimates are one H200's (2026-11-26). The
-reports' ``commit`` is what git says on the device machine, which may not be the tree sent:
-correct it when committing a report."""
+(``forces-each``, to find a crash); configs/qm9.yaml trained for 4 minutes on the GPU
+(``accuracy-4min``: a 10-minute run does not fit in one call). Each stage runs in its own
+process under its own time limit, so one that fails or hangs leaves the rest; a stage whose
+estimate does not fit in the time left is skipped, and said so. Reports (JSON) and logs go
+to ``--out``; the last lines printed are a table of stages. The estimates are one H200's
+(2026-11-26). The reports' ``commit`` is what git says on the device machine, which may not
+be the tree sent: correct it when committing a report."""
 
 from __future__ import annotations
 
@@ -51,6 +52,9 @@ def stages(out: Path) -> list[tuple[str, float, float, list[str]]]:
     forces = [*bench, "force_step", *on_cuda]
     xtb = [*forces, "--config", "configs/xtb_molecules.yaml"]
     compiled = suite(2048, "gpu-2048-compiled", "tf32", COMPILED, "")
+    accuracy = [*bench, "accuracy", "--minutes", "4", "--ours-only", "--set", "backend.replicas=1",
+                "--set", "backend.device=cuda", "--json", str(out / "accuracy-gpu-4min.json"),
+                "--out-dir", str(out / "accuracy-gpu-4min")]  # fmt: skip
     largest = suite(4096, "gpu-4096-compiled", "tf32", "compiled,compiled table", "")
     return [
         ("tests", 60, 150, pytest),
@@ -64,6 +68,7 @@ def stages(out: Path) -> list[tuple[str, float, float, list[str]]]:
         ("gpu-4096-compiled", 60, 120, largest),
         ("gpu-512-pyg32", 110, 150, suite(512, "gpu-512-pyg32", "tf32", "", "32")),
         ("forces-each", 120, 330, [*me, "--forces-each", *on_cuda]),
+        ("accuracy-4min", 300, 400, accuracy),
     ]
 
 
