@@ -57,7 +57,7 @@ def stages(out: Path) -> list[tuple[str, float, float, list[str]]]:
                 "--out-dir", str(out / "accuracy-gpu-4min")]  # fmt: skip
     largest = suite(4096, "gpu-4096-compiled", "tf32", "compiled,compiled table", "")
     return [
-        ("tests", 60, 150, pytest),
+        ("tests", 95, 150, pytest),
         ("gpu-512", 90, 150, suite(512, "gpu-512", "fp32,tf32,bf16", "fused,table", "")),
         ("gpu-2048", 60, 120, suite(2048, "gpu-2048", "fp32,tf32", "fused,table", "1024")),
         ("forces-emt", 40, 90, [*forces, "--json", str(out / "force-step-emt.json")]),
@@ -67,8 +67,8 @@ def stages(out: Path) -> list[tuple[str, float, float, list[str]]]:
         ("forces-xtb", 40, 90, [*xtb, "--json", str(out / "force-step-xtb.json")]),
         ("gpu-4096-compiled", 60, 120, largest),
         ("gpu-512-pyg32", 110, 150, suite(512, "gpu-512-pyg32", "tf32", "", "32")),
-        ("forces-each", 120, 330, [*me, "--forces-each", *on_cuda]),
-        ("accuracy-4min", 300, 400, accuracy),
+        ("forces-each", 140, 330, [*me, "--forces-each", *on_cuda]),
+        ("accuracy-4min", 260, 400, accuracy),
     ]
 
 
@@ -165,10 +165,10 @@ def sweep_stage(out: Path) -> None:
 def forces_each_stage(arguments: list[str]) -> None:
     """Each force_step variant alone (with ``energy``), in its own process: which one fails
     (an illegal memory access ended the EMT force steps of the second H200 call, after every
-    variant's first captured step had run). A variant prints its table rows when it passes;
-    one that fails runs again without CUDA graphs under CUDA_LAUNCH_BLOCKING=1 (which op
-    launched the bad access), and the first failure once more under compute-sanitizer's
-    memcheck (which kernel, which address), where the machine has it."""
+    variant's first captured step had run; since 83cccf7 none has failed). A variant prints
+    its table rows when it passes; one that fails runs again without CUDA graphs under
+    CUDA_LAUNCH_BLOCKING=1 (which op launched the bad access), and the first failure once
+    more under compute-sanitizer's memcheck (which kernel, which address) where there is one."""
     from schnet_ipu.bench import force_step
 
     bench = [sys.executable, "-m", "schnet_ipu.bench", "force_step", *arguments]

@@ -180,12 +180,14 @@ def conv_backward_kernel(
         tl.store(grad_filt_ptr + at, grad_filt, mask=ok)
 
 
-# Filter rows (pairs or edges) per program, every feature in one block: an [8, 128] tile
-# (F = 100) is 4 values per thread and tensor at 8 warps. The sweep in
-# scripts/gpu_session.py (H200, QM9, ~1,000 molecules per step, tf32 step in its CUDA graph)
-# had 8 x 8 fastest of rows {8, 16, 32, 64} x warps {4, 8}: 5.96 ms per step with the exact
-# filter against 7.57 at the earlier 16 x 4, and 5.63 against 11.8 with the table.
-BLOCK_ROWS = 8
+# Filter rows (pairs or edges) per program, every feature in one block: a [4, 128] tile
+# (F = 100) is 2 values per thread and tensor at 8 warps. Chosen by the sweeps of
+# scripts/gpu_session.py (H200, QM9's paper model, ~1,024 molecules per step, the tf32 fused
+# step in its CUDA graph; docs/benchmarks/triton-sweep-h200 and -small, 40 steps per
+# setting, one run): 4 x 8 is within 1% of the best of rows {2, 4, 8, 16} x warps
+# {4, 8, 16} for both filters, ms per step: exact 5.91 (best 5.85 at 4 x 4; 8 x 8 6.01,
+# 16 x 4 7.65), table 4.23 (best 4.20 at 2 x 4; 8 x 8 5.68, 16 x 4 11.9).
+BLOCK_ROWS = 4
 NUM_WARPS = 8
 
 
