@@ -222,9 +222,7 @@ def to_markdown(report: dict, columns: list[str]) -> str:
         "",
     ]
     if report["ratios"]:
-        lines += ["Ratios:", ""]
-        lines += [f"- {k}: {_cell(v)}" for k, v in report["ratios"].items()]
-        lines.append("")
+        lines += ["Ratios:", "", *(f"- {k}: {_cell(v)}" for k, v in report["ratios"].items()), ""]
     lines += [f"- {note}" for note in report["notes"]]
     return "\n".join(lines) + "\n"
 
@@ -270,7 +268,7 @@ def curve_plot(rows: list[dict], ylabels: list[str], out_dir: str | Path, name: 
 def write_report(
     report: dict, columns: list[str], plot: tuple[str, str, str], out_dir: str | Path,
     json_path: str | Path | None = None,
-) -> str:  # fmt: skip
+) -> None:  # fmt: skip
     """Print the table and write ``<suite>.json``/``.md``/``.png`` (and ``json_path``)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -285,4 +283,3 @@ def write_report(
     if json_path is not None:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(payload)
-    return text
