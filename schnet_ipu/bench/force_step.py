@@ -4,10 +4,9 @@
     python -m schnet_ipu.bench force_step --device cuda   # plus the Triton flavour's variants
     python -m schnet_ipu.bench force_step --variant forces_table   # that one and energy
 
-The run's trainer on the same batches for every ``VARIANTS`` entry, interleaved (on CUDA each
-step inside its CUDA graph, as ``backend.cuda_graphs=auto`` trains). Measured
-(``forces-step-cpu``, one thread): forces with the table over exact 0.66-0.71 on the EMT
-clusters (K = 128), 0.436 on the xTB molecules."""
+Every ``VARIANTS`` entry's trainer on the same batches, interleaved (on CUDA inside its CUDA
+graph). Measured (``forces-step-cpu``, one thread): forces with the table over exact
+0.66-0.71 on the EMT clusters (K = 128), 0.436 on the xTB molecules."""
 
 from __future__ import annotations
 
@@ -51,9 +50,8 @@ def run(
     config: str | Path = DEFAULT_CONFIG, overrides: list[str] = (), rounds: int = 5, steps: int = 5,
     device: str = "cpu", variants: list[str] | None = None,
 ) -> dict:  # fmt: skip
-    """Every variant (``variants``: those and ``energy``, the reference) on ``config``'s
-    first ``steps`` host calls, ``rounds`` rounds, on ``device`` (the Triton variants on
-    CUDA only)."""
+    """Every variant (``variants``: those and ``energy``) on ``config``'s first ``steps`` host
+    calls, ``rounds`` rounds, on ``device`` (the Triton variants on CUDA only)."""
     unknown = sorted(set(variants or ()) - set(VARIANTS))
     if unknown:
         names = ", ".join(VARIANTS)

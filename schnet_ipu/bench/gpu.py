@@ -6,8 +6,7 @@ step, and the tf32 step ``VARIANTS``) against stock PyG SchNet, side by side in 
 
 Measured (H200, ``gpu-h200-2048-compiled-8x8``): tf32, compiled, table filter, CUDA graph,
 ~2,015 molecules per step: 0.277 s per full epoch, 8.6x stock PyG at batch 2048 in the same
-run. ``--profile``: the top kernels per step. ``scripts/gpu_session.py`` runs this suite at
-several step sizes, each variant set in its own process."""
+run. ``--profile``: the top kernels per step."""
 
 from __future__ import annotations
 

@@ -52,8 +52,7 @@ def run_epoch(loader: PackedLoader, epoch: int) -> int:
 def ours(
     cfg, data: PreparedData, name: str, workers: int, device: str, pairs_s: float, compiled: bool
 ) -> tuple[dict, PackedLoader, Callable[[], int]]:
-    """A mode's row with its cold rate (and facts), its loader, and the warm rounds' timer
-    step: the loader's next epoch."""
+    """A mode's row (its cold rate and facts), its loader and its warm timer step (an epoch)."""
     cfg.loader.workers = workers
     cfg.loader.device_resident = "true" if device != "cpu" else "false"
     data.feeds.clear()  # read the store again: cold
