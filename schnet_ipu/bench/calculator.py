@@ -1,11 +1,9 @@
 """Using a trained model: calculator and exported-file latency, and MD steps per second.
 
-Random-weight table-filter checkpoints of ``configs/qm9.yaml`` (H/C/N/O molecules of 20 and
-200 atoms) and ``configs/emt_bulk.yaml`` (fcc Cu of 20 to 10,000 atoms, water boxes), as
-:class:`~schnet_ipu.calculator.SchNetCalculator` and the exported TorchScript file, float32
-and float64 (calculators and files in separate interleaved rounds); MD through ASE's
-velocity Verlet. Measured (``calculator-cpu``): 0.81 ms per energy + forces call at 20
-atoms, 6.7 at 200, 79 ms for 10,000 Cu atoms; the exported file 3.0 / 35 / 561 ms."""
+Random-weight table-filter models of ``configs/qm9.yaml`` (molecules) and
+``configs/emt_bulk.yaml`` (Cu, water boxes), float32 and float64. Measured
+(``calculator-cpu``): 0.81 ms per energy + forces call at 20 atoms, 6.7 at 200, 79 ms for
+10,000 Cu atoms; the exported file 3.0 / 35 / 561 ms."""
 
 from __future__ import annotations
 
@@ -86,8 +84,7 @@ def water_box(side: int, seed: int = 0) -> Atoms:
     for i, j, k in np.ndindex(side, side, side):
         turn, _ = np.linalg.qr(rng.normal(size=(3, 3)))
         positions.extend(spacing * np.array([i, j, k]) + local @ turn.T)
-    numbers = [8, 1, 1] * side**3
-    return Atoms(numbers, positions=positions, cell=[spacing * side] * 3, pbc=True)
+    return Atoms([8, 1, 1] * side**3, positions=positions, cell=[spacing * side] * 3, pbc=True)
 
 
 def md_rate(calc: SchNetCalculator, atoms: Atoms, steps: int) -> float:
@@ -132,8 +129,8 @@ def run(quick: bool = False, structures: list | None = None) -> dict:
         structures += [("Cu fcc", "metal", copper(r)) for r in ((5, 1, 1), (5, 5, 2), (5, 5, 10))]
         structures.append(("water box", "metal", water_box(7)))
         if not quick:
-            structures.append(("Cu fcc", "metal", copper((10, 10, 25))))
-            structures.append(("water box", "metal", water_box(15)))
+            structures += [("Cu fcc", "metal", copper((10, 10, 25))),
+                           ("water box", "metal", water_box(15))]  # fmt: skip
     results = []
     with tempfile.TemporaryDirectory() as folder:
         # a model's calls in two groups: after the exported file's calls on torch's thread pool,
@@ -169,9 +166,8 @@ def run(quick: bool = False, structures: list | None = None) -> dict:
         "models: configs/qm9.yaml (molecules) and configs/emt_bulk.yaml (cells), filter=table,"
         f" random weights; torch threads {torch.get_num_threads()}; positions moved 1e-3 A "
         "a call; exported: float64 positions in, its own neighbour search",
-        f"the calculator runs on one intra-op thread under {ONE_THREAD_ATOMS} atoms, the "
-        "exported file on torch's default count (as an engine calls it); the calculators "
-        "(float32, float64) are timed in interleaved rounds, then the exported files; "
-        "load_avg: 1-minute load after the row's rounds",
+        f"the calculator on one intra-op thread under {ONE_THREAD_ATOMS} atoms, the exported "
+        "file on torch's default count (as an engine calls it); the calculators, then the "
+        "exported files, in interleaved rounds; load_avg: 1-minute load after the row's rounds",
     ]
     return common.new_report("calculator", results, {}, notes)

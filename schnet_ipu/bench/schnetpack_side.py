@@ -1,14 +1,11 @@
 """schnetpack 2.1.1's SchNet trained on energies and forces for M minutes: the peer of
 ``python -m schnet_ipu.bench forces``; only this module imports schnetpack, in a child.
 
-Its stock MD17-style recipe, read from schnetpack v2.1.1: ``ASEAtomsData`` (our frames and
-split) in ``AtomsDataModule``, batch 10, the transforms of ``configs/experiment/md17.yaml``
-(atom references: our per-element fit, as its QM9 recipe does); ``NeuralNetworkPotential`` of
-our size with ``Atomwise`` and ``Forces`` (``examples/tutorials/tutorial_03_force_models.ipynb``);
-``AtomisticTask``, MSE weighted 0.01/0.99, AdamW 5e-4,
-``configs/task/scheduler/reduce_on_plateau.yaml`` as torch's ``ReduceLROnPlateau``;
-Lightning's ``Trainer`` as ``configs/trainer/default_trainer.yaml`` with ``max_time`` M
-minutes, one thread, best-validation weights tested. Errors as our trainer computes them."""
+Its stock MD17-style recipe, read from schnetpack v2.1.1 (``configs/experiment/md17.yaml``,
+``tutorial_03_force_models.ipynb``, ``reduce_on_plateau.yaml``, ``default_trainer.yaml``):
+batch 10, our frames, split and per-element atom references, MSE weighted 0.01/0.99, AdamW
+5e-4, torch's ``ReduceLROnPlateau``, ``max_time`` M minutes on one thread, best-validation
+weights tested. Errors as our trainer computes them."""
 
 from __future__ import annotations
 
@@ -51,10 +48,8 @@ def write_database(frames: dict, atomrefs: np.ndarray, path: Path) -> None:
         str(path), distance_unit="Ang", property_unit_dict={"energy": "eV", "forces": "eV/Ang"},
         atomrefs={"energy": atomrefs[:ZMAX].tolist()},
     )  # fmt: skip
-    atoms = [
-        Atoms(numbers=z, positions=pos, cell=cell, pbc=pbc)
-        for z, pos, cell, pbc in zip(frames["z"], frames["pos"], frames["cell"], frames["pbc"])
-    ]
+    columns = zip(frames["z"], frames["pos"], frames["cell"], frames["pbc"])
+    atoms = [Atoms(numbers=z, positions=pos, cell=cell, pbc=pbc) for z, pos, cell, pbc in columns]
     properties = [{"energy": np.array([energy]), "forces": forces}
                   for energy, forces in zip(frames["energy"], frames["forces"])]  # fmt: skip
     dataset.add_systems(properties, atoms)
@@ -113,10 +108,8 @@ def split_errors(spk, task, loader) -> dict[str, float]:
         components += forces.numel()
     task.train()
     # means per structure, the force MAE per force component
-    return {
-        key: total / (components if key == "force_mae" else structures)
-        for key, total in sums.items()
-    }
+    return {key: total / (components if key == "force_mae" else structures)
+            for key, total in sums.items()}  # fmt: skip
 
 
 def train_schnetpack(model_cfg, database: Path, split_file: Path, minutes: float) -> dict:
