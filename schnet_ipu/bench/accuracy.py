@@ -74,9 +74,8 @@ def run(
         if not ours_only:
             rows.append(stock_pyg(prepare_data(cfg), cfg.model, minutes))
     common.curve_plot(rows, ["validation MAE (eV)"], out_dir, "accuracy_vs_time.png")
-    ratios = {}
-    if not ours_only:
-        ratios["test_mae_ours_over_pyg"] = common.ratio(rows[0]["test_mae"], rows[1]["test_mae"])
+    maes = [row["test_mae"] for row in rows]  # ours, then stock PyG's
+    ratios = {} if ours_only else {"test_mae_ours_over_pyg": common.ratio(*maes)}
     sides = "ours alone" if ours_only else "each, one after the other"
     notes = [
         f"{minutes} min {sides}; threads {torch.get_num_threads()}",

@@ -121,8 +121,7 @@ def run(
     best = {}
     for dataset in ("qm9", "water"):
         rows = [r for r in results if r["dataset"] == dataset]
-        fastest = max(rows, key=lambda r: r["molecules_per_s"])
-        best[f"{dataset}_fastest"] = fastest["label"]
+        best[f"{dataset}_fastest"] = max(rows, key=lambda r: r["molecules_per_s"])["label"]
         for batch in batch_sizes:
             rate = {r["algorithm"]: r["molecules_per_s"] for r in rows if r["batch"] == batch}
             best[f"{dataset}_{batch}_tuple_vs_pad_to_max"] = rate["tuple"] / rate["pad_to_max"]

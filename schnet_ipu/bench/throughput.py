@@ -111,8 +111,6 @@ def run(
         f"cutoff {size.cutoff}, knn k={size.k}; ours {workers} loader thread(s).",
         f"common.Timing: {timing.warmup} warm-up steps, then {timing.repeats} rounds of "
         f"{timing.steps} steps of each variant in turn; medians (*_per_round: each round's).",
-        f"Stock PyG radius graph: {pyg.RADIUS_BUILDER}. Replicas: R processes with 1/R of "
-        "the threads, gradients summed through shared memory.",
     ]
     return common.new_report("throughput", list(results.values()), compare(results), notes)
 
@@ -135,8 +133,7 @@ def compare(results: dict[str, dict]) -> dict:
               "padded_reference": reference}  # fmt: skip
     pairs = {"packed_vs_pyg": (best, PYG), "single_process_vs_pyg": (single, PYG),
              "packed_vs_padded": (single, reference)}  # fmt: skip
-    for key, (mine, other) in pairs.items():
-        ratios[key] = common.ratio(rate[mine], rate[other])
+    ratios.update({key: common.ratio(rate[a], rate[b]) for key, (a, b) in pairs.items()})
     rounds = {name: row["repeats_molecules_per_s"] for name, row in results.items()}
     for key, (mine, other) in pairs.items():
         ratios[f"{key}_per_round"] = [a / b for a, b in zip(rounds[mine], rounds[other])]
