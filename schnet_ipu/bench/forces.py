@@ -69,14 +69,6 @@ def train_ours(cfg: Config, minutes: float, run_dir: Path, name: str = "ours") -
             **{key: row[key] for key in ("epochs", "seconds", "curve")}}  # fmt: skip
 
 
-def schnetpack_row(model_cfg, database: Path, split: Path, minutes: float) -> dict:
-    """schnetpack's side (:mod:`.schnetpack_side`) in its own process: its row."""
-    from schnet_ipu.bench.schnetpack_side import train_schnetpack
-
-    os.chdir(database.parent)  # its data module locks splitting.lock in "."
-    return train_schnetpack(model_cfg, database, split, minutes)
-
-
 def with_units(row: dict, minutes: float) -> dict:
     """``row`` with the report's columns: minutes, energy MAE in meV/atom and eV."""
     return {**row, "minutes": minutes,
@@ -98,13 +90,13 @@ def run(
     data = prepare_data(cfg)  # the store and its split, before the sides read them
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        from schnet_ipu.bench.schnetpack_side import write_database
+        from schnet_ipu.bench.schnetpack_side import train_schnetpack, write_database
 
         database, split = folder / "db.db", folder / "split.npz"
         write_database(store_frames(data, cfg.data.target), data.dressed_atoms, database)
         write_split(data, split)
         sides = [  # each side's row, each in a fresh process
-            functools.partial(schnetpack_row, cfg.model, database, split, minutes),
+            functools.partial(train_schnetpack, cfg.model, database, split, minutes),
             functools.partial(train_ours, cfg, minutes, folder / "ours"),
         ]
         for k, text in enumerate(variants or []):  # "NAME: key=value key=value"

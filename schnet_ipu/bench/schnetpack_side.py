@@ -10,6 +10,7 @@ weights tested. Errors as our trainer computes them."""
 from __future__ import annotations
 
 import copy
+import os
 import time
 import typing
 from pathlib import Path
@@ -113,7 +114,9 @@ def split_errors(spk, task, loader) -> dict[str, float]:
 
 
 def train_schnetpack(model_cfg, database: Path, split_file: Path, minutes: float) -> dict:
-    """Train for ``minutes`` (the module docstring's recipe): a row with the validation curve."""
+    """Train for ``minutes`` (the module docstring's recipe) in this process, a child of the
+    suite's: a row with the validation curve."""
+    os.chdir(database.parent)  # its data module locks splitting.lock in "."
     torch.set_num_threads(1)
     torch.manual_seed(0)
     spk = import_schnetpack()
