@@ -75,14 +75,12 @@ def run_epoch(model, optim, batches: list[Batch], schedule: np.ndarray, rank: in
     return {"compute": compute, "wall": time.perf_counter() - start}
 
 
-def replica_setup(rank: int, world: int, jobs: list[dict], size: ModelConfig, epochs: int):
-    """The replica runner's setup: join the gloo group; its one call, ``run``, times every job."""
+def time_jobs(
+    rank: int, world: int, jobs: list[dict], size: ModelConfig, epochs: int
+) -> tuple[list[dict], dict]:
+    """The replica runner's setup: join the gloo group and time every job; its facts: the jobs'
+    rows (the same on every rank), round-robin and cost-model epochs alternating."""
     init_replica(BackendConfig(device="cpu", replicas=world), "cpu")
-    return None, {"run": lambda: time_jobs(rank, jobs, size, epochs)}
-
-
-def time_jobs(rank: int, jobs: list[dict], size: ModelConfig, epochs: int) -> list[dict]:
-    """Every job's rows (the same on every rank): round-robin and cost-model epochs alternate."""
     results = []
     for job in jobs:
         store = MoleculeStore(job["store"])
@@ -104,7 +102,7 @@ def time_jobs(rank: int, jobs: list[dict], size: ModelConfig, epochs: int) -> li
             timed[name].append(run_epoch(model, optim, batches, schedule, rank))  # alternating
         for name, schedule in schedules.items():
             results.append(summarise(job, name, schedule, timed[name], cost, atoms, edges))
-    return results
+    return results, {}  # no calls: the rows are measured in the setup
 
 
 def calibrate(model, optim, store, index: np.ndarray, cutoff: float, rank: int):
@@ -159,8 +157,8 @@ def run(
              "batch": batch}
             for name, (path, index) in datasets.items() for batching in ("dynamic", "packs")
         ]  # fmt: skip
-        with Replicas(REPLICAS, replica_setup, jobs, size, epochs) as group:
-            results = group.call("run")[0]
+        with Replicas(REPLICAS, time_jobs, jobs, size, epochs) as group:
+            results = group.facts[0]
     ratios = {
         f"{rr['dataset']}_{rr['batching']}_epoch_speedup": rr["epoch_s"] / cost["epoch_s"]
         for rr, cost in zip(results[::2], results[1::2])  # a job's round-robin and cost-model rows

@@ -1,7 +1,7 @@
 """The one replica runner: R spawned processes (a gloo group on CPU) that set up their variants
 once, then run one on request, all R in lockstep: a replicated variant is timed by the same
 interleaved timer as the in-process ones (the replicas wait idle on a pipe meanwhile), and a
-measurement inside the group (balance's epochs) is one request answered by every rank."""
+measurement inside the group (balance's epochs) is their setup, its rows their facts."""
 
 from __future__ import annotations
 
