@@ -51,9 +51,8 @@ def model_file(folder: Path, config: Path, elements: list[int]) -> Path:
         pack={"max_nodes": 32, "max_graphs": 4, "max_edges": 1024, "packs_per_batch": 8},
     )  # fmt: skip
     torch.manual_seed(0)
-    model = spec.build_model()
     path = folder / f"{config.stem}.pt"
-    state = {"model": model.state_dict(), "optimizer": {}, "scheduler": {}, "rng": {}}
+    state = {"model": spec.build_model().state_dict(), "optimizer": {}, "scheduler": {}, "rng": {}}
     state.update(epoch=0, call=0, best_mae=0.0, config={}, model_spec=spec.to_dict())
     save_checkpoint(path, state)
     return path
