@@ -34,16 +34,16 @@ PLOT = ("label", "molecules_per_s", "estimated training molecules/s (fwd+bwd)")
 
 
 def epoch_batches(
-    algorithm: str, nodes: np.ndarray, edges: np.ndarray, batch: int, cutoff: float, seed: int = 0
+    algorithm: str, nodes: np.ndarray, edges: np.ndarray, batch: int, cutoff: float
 ) -> tuple[list[tuple[list[np.ndarray], Layout]], float, float | None]:
     """One epoch of ``algorithm``, ``batch`` molecules a batch: [(packs, layout)], efficiencies."""
     if algorithm in BASELINES:
-        result = run_baseline(algorithm, nodes, edges, batch, seed)
+        result = run_baseline(algorithm, nodes, edges, batch, seed=0)
         batches = [([b], Layout(1, shape[0], shape[2], shape[1], cutoff))
                    for b, shape in zip(result.batches, result.shapes)]  # fmt: skip
         return batches, result.node_efficiency, result.edge_efficiency
     plan = plan_packing(nodes, edges if algorithm != "lpfhp" else None, algorithm)
-    packs = assign_packs(plan, nodes, edges if algorithm != "lpfhp" else None, seed, 0)
+    packs = assign_packs(plan, nodes, edges if algorithm != "lpfhp" else None, seed=0, epoch=0)
     per_batch = max(1, round(batch * plan.num_packs / len(nodes)))
     # a node-only packing (LPFHP) on a radius graph needs its fullest pack's edges
     max_edges = plan.max_edges or int(max(edges[p].sum() for p in packs)) or 2

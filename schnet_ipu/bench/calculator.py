@@ -58,9 +58,9 @@ def model_file(folder: Path, config: Path, elements: list[int]) -> Path:
     return path
 
 
-def molecule(atoms: int, seed: int = 0) -> Atoms:
+def molecule(atoms: int) -> Atoms:
     """``atoms`` H/C/N/O atoms on a jittered simple-cubic grid of 1.45 A."""
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(0)
     side = int(np.ceil(atoms ** (1 / 3)))
     grid = np.array([(i, j, k) for i in range(side) for j in range(side) for k in range(side)])
     pos = 1.45 * grid[:atoms] + rng.uniform(-0.08, 0.08, (atoms, 3))
