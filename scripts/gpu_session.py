@@ -10,12 +10,11 @@ steps of every op flavour on the EMT clusters and the xTB molecules; a sweep of 
 kernels' rows per program and warps; stock PyG at batch 32; each force variant alone
 (``forces-each``, to find a crash); configs/qm9.yaml trained for 4 minutes on the GPU
 (``accuracy-4min``: a 10-minute run does not fit in one call; ``-lr`` and ``-p64``: a GPU
-recipe). Each stage runs in its own
-process under its own time limit, so one that fails or hangs leaves the rest; a stage whose
-estimate does not fit in the time left is skipped, and said so. Reports (JSON) and logs go
-to ``--out``; the last lines printed are a table of stages. The estimates are one H200's
-(2026-11-26). The reports' ``commit`` is what git says on the device machine, which may not
-be the tree sent: correct it when committing a report."""
+recipe). Each stage runs in its own process under its own time limit, so one that fails or
+hangs leaves the rest; a stage whose estimate does not fit in the time left is skipped, and
+said so. Reports (JSON) and logs go to ``--out``; the last lines printed are a table of
+stages. The estimates are one H200's (2026-11-26). The reports' ``commit`` is what git says
+on the device machine, which may not be the tree sent: correct it when committing a report."""
 
 from __future__ import annotations
 
