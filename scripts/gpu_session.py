@@ -10,11 +10,12 @@ steps of every op flavour on the EMT clusters and the xTB molecules; a sweep of 
 kernels' rows per program and warps; stock PyG at batch 32; each force variant alone
 (``forces-each``, to find a crash); configs/qm9.yaml trained for 4 minutes on the GPU
 (``accuracy-4min``: a 10-minute run does not fit in one call; ``-lr`` and ``-p64``: a GPU
-recipe). Each stage runs in its own process under its own time limit, so one that fails or
-hangs leaves the rest; a stage whose estimate does not fit in the time left is skipped, and
-said so. Reports (JSON) and logs go to ``--out``; the last lines printed are a table of
-stages. The estimates are one H200's (2026-11-26). The reports' ``commit`` is what git says
-on the device machine, which may not be the tree sent: correct it when committing a report."""
+recipe); the eager fp32 step and the fastest after equal epochs, two seeds each. Each stage
+runs in its own process under its own time limit, so one that fails or hangs leaves the
+rest; a stage whose estimate does not fit in the time left is skipped, and said so. Reports
+(JSON) and logs go to ``--out``; the last lines printed are a table of stages. The estimates
+are one H200's (2026-11-26). The reports' ``commit`` is what git says on the device machine,
+which may not be the tree sent: correct it when committing a report."""
 
 from __future__ import annotations
 
@@ -34,6 +35,14 @@ SWEEP_ROWS, SWEEP_WARPS = (2, 4, 8, 16), (4, 8, 16)
 SWEEP_STEPS = 40
 # gpu.VARIANTS under backend.compile
 COMPILED = "compiled,compiled table,compiled fused,compiled fused table"
+# issue 40's "validation MAE after equal epochs within seed noise of the eager fp32 step": the
+# reference and the fastest step (gpu-h200-2048-compiled-8x8), each with two seeds
+EQUAL_EPOCHS, EQUAL_SEEDS, EQUAL_MOLECULES = 10, (0, 1), 2048
+EQUAL_VARIANTS = {
+    "fp32 eager": ["backend.precision=fp32", "backend.cuda_graphs=false", "model.filter=exact"],
+    "tf32 compiled table graph": ["backend.precision=tf32", "backend.compile=true",
+                                  "model.filter=table"],
+}  # fmt: skip
 
 
 def stages(out: Path) -> list[tuple[str, float, float, list[str]]]:
@@ -79,6 +88,7 @@ def stages(out: Path) -> list[tuple[str, float, float, list[str]]]:
         # and a lower rate on 4x the molecules per step
         ("accuracy-4min-lr", 260, 400, accuracy("accuracy-gpu-4min-lr1e-3", "optim.lr=1e-3")),
         ("accuracy-4min-p64", 260, 400, larger),
+        ("equal-epochs", 200, 300, [*me, "--equal-epochs"]),
     ]
 
 
@@ -218,6 +228,33 @@ def forces_each_stage(arguments: list[str]) -> None:
         alone(*failed[0], blocking=False, wrapper=memcheck, limit=150)
 
 
+def equal_epochs_stage(out: Path, device: str = "cuda", subset: int = 0) -> None:
+    """``EQUAL_EPOCHS`` epochs of configs/qm9.yaml (``gpu.paper_config``, its cosine schedule
+    over the epochs) at ~``EQUAL_MOLECULES`` molecules per step for each ``EQUAL_VARIANTS``
+    entry and seed: validation and test MAE as ``out/equal-epochs.json`` (after each run)."""
+    from schnet_ipu.bench import common, gpu
+    from schnet_ipu.pipeline import prepare_data
+    from schnet_ipu.training import train
+
+    data = prepare_data(gpu.paper_config(common.QM9_STORE, device, subset, []))
+    packs = f"packing.packs_per_batch={common.packs_for(data, EQUAL_MOLECULES)}"
+    rows = []
+    for (name, extra), seed in itertools.product(EQUAL_VARIANTS.items(), EQUAL_SEEDS):
+        run_dir = out / "equal-epochs" / f"{name.replace(' ', '-')}-{seed}"
+        settings = [packs, f"optim.epochs={EQUAL_EPOCHS}", f"seed={seed}",
+                    "optim.beat_baseline=false", f"logging.run_dir={run_dir}", *extra]  # fmt: skip
+        row = {"name": name, "seed": seed, "overrides": settings}
+        try:
+            final = train(gpu.paper_config(common.QM9_STORE, device, subset, settings), fresh=True)
+            row.update(val_mae=final["best_val_mae"], test_mae=final["test_mae"])
+        except Exception as error:  # recorded, and the other runs still go
+            row["error"] = f"{type(error).__name__}: {error}"
+        rows.append(row)
+        print(row, flush=True)
+        (out / "equal-epochs.json").write_text(json.dumps({"epochs": EQUAL_EPOCHS, "rows": rows},
+                                                          indent=1))  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="reports and logs")
@@ -229,6 +266,7 @@ def main() -> None:
         parser.add_argument(option, default="", help=argparse.SUPPRESS)
     parser.add_argument("--sweep", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--forces-each", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    parser.add_argument("--equal-epochs", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.gpu:
@@ -237,6 +275,8 @@ def main() -> None:
         forces_each_stage(args.forces_each)
     elif args.sweep:
         sweep_stage(args.out)
+    elif args.equal_epochs:
+        equal_epochs_stage(args.out)
     else:
         run_stages(args.out, args.seconds, [name for name in args.only.split(",") if name])
 
