@@ -17,6 +17,7 @@ and optimiser; the model keeps distances, softplus and sums in fp32).
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from typing import Callable, Iterator  # LossFn is a runtime alias: typing's form on Python 3.8
 
@@ -89,9 +90,7 @@ class ShapeGuards:
     def check_train_call(self, micro_batches: list[Batch], factors: dict[str, int]) -> None:
         """Refuses a host call whose micro-batch count is not the product of ``factors``
         (their names and values make the message) or whose batches change shape."""
-        expected = 1
-        for value in factors.values():
-            expected *= value
+        expected = math.prod(factors.values())
         if len(micro_batches) != expected:
             sizes = " x ".join(str(value) for value in factors.values())
             raise ValueError(
