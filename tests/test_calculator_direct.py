@@ -32,9 +32,9 @@ def structures() -> dict[str, Atoms]:
 
 @pytest.mark.parametrize("readout", ["sum", "mean"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
-def test_direct_energy_and_forces_equal_autograd_over_the_torch_table(tmp_path, dtype, readout):
+def test_direct_energy_and_forces_equal_the_exported_torch_ops(tmp_path, dtype, readout):
     """Energy, forces and virial of the calculator's path (hand-derived backward, numba
-    loops) equal autograd through the unfused module (the same table in torch ops) on the
+    loops) equal the exported module's (the same table and backward in torch ops) on the
     same half list: 1e-10 (float64) or 1e-5 (float32) relative to the largest entry."""
     trained = load_trained(write_model(tmp_path, "table", readout))
     predictor = Predictor(trained.path, dtype=dtype)

@@ -18,7 +18,7 @@ from ase import Atoms
 from ase.build import bulk, fcc111
 from ase.neighborlist import neighbor_list
 
-from schnet_ipu import inference, portable
+from schnet_ipu import inference
 from schnet_ipu.batch_layout import Layout
 from schnet_ipu.calculator import SchNetCalculator
 from schnet_ipu.checkpoint import save_checkpoint
@@ -207,20 +207,6 @@ def test_edges_in_many_chunks_give_what_one_pass_gives(model_path):
     assert pairs > 20 * 7 and pairs % 7
     whole = run_export(one_pass, atoms)
     for got, want in zip(run_export(torch.jit.script(chunked), atoms), whole):
-        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12 * np.abs(want).max())
-
-
-@pytest.mark.skipif(not portable.BAG_TABLE, reason="this torch cannot differentiate the bag")
-def test_the_bag_and_the_gathered_cubic_read_the_same_table(tmp_path):
-    """The export reads the table with ``embedding_bag`` where torch can differentiate it
-    (``BAG_TABLE``), else by gathering each edge's four rows (torch 2.0.1): the same
-    energy, forces and stress to 1e-12 in float64."""
-    trained = load_trained(write_model(tmp_path, "table"))
-    bag, gathered = (PortableSchNet.from_trained(trained, torch.float64) for _ in range(2))
-    for block in gathered.interactions:
-        block.bag_table = False
-    atoms = sheared_bulk()
-    for got, want in zip(run_export(torch.jit.script(bag), atoms), run_export(gathered, atoms)):
         np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12 * np.abs(want).max())
 
 
