@@ -25,29 +25,26 @@ class Replicas:
         self.context = spawn_replicas(_serve, count, [child for _, child in ends], setup, args)
         self.facts = [self._receive(conn) for conn in self.conns]  # every replica is ready
 
-    def call(self, name: str) -> list:
-        """Run ``name`` on every replica; their answers by rank."""
-        for conn in self.conns:
-            conn.send(name)
-        return [self._receive(conn) for conn in self.conns]
-
     def step(self, name: str) -> Callable[[], int]:
         """A timer step: ``name`` on every replica, the molecules they trained together."""
-        return lambda: sum(self.call(name))
 
-    def close(self) -> None:
+        def call() -> int:
+            for conn in self.conns:
+                conn.send(name)
+            return sum(self._receive(conn) for conn in self.conns)
+
+        return call
+
+    def __enter__(self) -> Replicas:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
         """Stop the replicas; re-raises a replica's error."""
         for conn in self.conns:
             with contextlib.suppress(OSError):  # a replica that is gone: join reports why
                 conn.send(None)
         while not self.context.join():
             pass
-
-    def __enter__(self) -> Replicas:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def _receive(self, conn):
         while not conn.poll(0.5):
