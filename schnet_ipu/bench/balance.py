@@ -147,10 +147,9 @@ def summarise(job: dict, name: str, schedule: np.ndarray, epochs: list[dict], co
 def run(
     store: str | Path = common.QM9_STORE, sample: int = 4000, water_clusters: int = 600,
     water_sizes: tuple[int, int] = (3, 30), batch: int = 32, epochs: int = 3,
-    size: ModelConfig | None = None,
+    size: ModelConfig = common.PAPER_SIZE,
 ) -> dict:  # fmt: skip
     """QM9 (a fixed random sample) and synthetic water, dynamic batches and packs."""
-    size = size or ModelConfig()
     with common.qm9_and_water(store, sample, water_clusters, water_sizes) as datasets:
         jobs = [
             {"dataset": name, "store": str(path), "index": index, "batching": batching,

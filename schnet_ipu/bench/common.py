@@ -34,6 +34,8 @@ from schnet_ipu.pipeline import PreparedData, make_loader, prepare_data
 QM9_STORE = "data/qm9.h5"
 ROOT = Path(__file__).resolve().parents[2]
 PAPER_CONFIG = ROOT / "configs/qm9.yaml"
+PAPER_SIZE = ModelConfig()  # the paper's SchNet: 100/100/4/25, cutoff 6 A, k = 24
+FORCE_CONFIG = ROOT / "configs/emt_forces.yaml"
 
 
 @dataclass

@@ -53,10 +53,9 @@ def variant(store: str, sample: int, size: ModelConfig, overrides: list[str], ba
 def run(
     store: str | Path = common.QM9_STORE, sample: int = 2000, water_clusters: int = 400,
     water_sizes: tuple[int, int] = (3, 20), batch_molecules: int = 32,
-    size: ModelConfig | None = None, timing: common.Timing | None = None,
+    size: ModelConfig = common.PAPER_SIZE, timing: common.Timing | None = None,
 ) -> dict:  # fmt: skip
     """Every data set (QM9 sample, temporary water store), graph and layout side by side."""
-    size = size or ModelConfig()
     timing = timing or common.Timing(warmup=2, steps=6, repeats=3)
     rows, steps = [], {}
     with common.qm9_and_water(store, sample, water_clusters, water_sizes) as datasets:

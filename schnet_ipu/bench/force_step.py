@@ -25,7 +25,6 @@ from schnet_ipu.config import load_config
 from schnet_ipu.errors import UserError
 from schnet_ipu.pipeline import make_loader, prepare_data
 
-DEFAULT_CONFIG = common.ROOT / "configs/emt_forces.yaml"
 # name -> (forces_weight, op flavour, model.filter, backend.compile); force steps are not
 # compiled (AOTAutograd refuses a double backward)
 VARIANTS = {
@@ -47,8 +46,8 @@ QUICK = {"rounds": 3, "steps": 3}
 
 
 def run(
-    config: str | Path = DEFAULT_CONFIG, overrides: list[str] = (), rounds: int = 5, steps: int = 5,
-    device: str = "cpu", variants: list[str] | None = None,
+    config: str | Path = common.FORCE_CONFIG, overrides: list[str] = (), rounds: int = 5,
+    steps: int = 5, device: str = "cpu", variants: list[str] | None = None,
 ) -> dict:  # fmt: skip
     """Every variant (``variants``: those and ``energy``) on ``config``'s first ``steps`` host
     calls, ``rounds`` rounds, on ``device`` (the Triton variants on CUDA only)."""

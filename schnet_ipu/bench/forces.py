@@ -27,7 +27,6 @@ from schnet_ipu.config import Config, load_config
 from schnet_ipu.errors import UserError
 from schnet_ipu.pipeline import PreparedData, prepare_data
 
-DEFAULT_CONFIG = common.ROOT / "configs/emt_forces.yaml"
 COLUMNS = ["name", "minutes", "structures_per_s", "test_energy_mae_meV_per_atom",
            "test_energy_mae_eV", "test_force_mae", "structures_seen", "epochs",
            "load_1min"]  # fmt: skip
@@ -77,7 +76,7 @@ def with_units(row: dict, minutes: float) -> dict:
 
 
 def run(
-    minutes: float = 1.5, config: str | Path = DEFAULT_CONFIG,
+    minutes: float = 1.5, config: str | Path = common.FORCE_CONFIG,
     overrides: list[str] | None = None, variants: list[str] | None = None, parallel: int = 2,
     out_dir: str | Path = "bench_results",
 ) -> dict:  # fmt: skip

@@ -12,11 +12,10 @@ import torch
 from schnet_ipu.batch_layout import Layout
 from schnet_ipu.bench import common, pyg
 from schnet_ipu.bench.batching import collate_groups
-from schnet_ipu.config import ModelConfig
 from schnet_ipu.data import MoleculeStore, edge_counts
 from schnet_ipu.packing import assign_packs, plan_packing
 
-SIZE = ModelConfig()  # the paper's: 100/100/4/25, cutoff 6 A, k = 24
+SIZE = common.PAPER_SIZE
 # graph -> (pair_symmetric, filter) of our variants
 SETTINGS = {"knn": [(True, "exact"), (True, "table")],
             "radius": [(True, "exact"), (False, "exact"), (True, "table")]}  # fmt: skip

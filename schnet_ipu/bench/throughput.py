@@ -69,12 +69,11 @@ def variants(padded: tuple[str, ...], compile: bool) -> list[tuple]:
 
 
 def run(
-    store: str | Path = common.QM9_STORE, sample: int = 10000, size: ModelConfig | None = None,
-    timing: common.Timing | None = None, workers: int = 0, batch_molecules: int = 32,
-    padded: tuple[str, ...] = ("radius", "knn"), compile: bool = True,
+    store: str | Path = common.QM9_STORE, sample: int = 10000,
+    size: ModelConfig = common.PAPER_SIZE, timing: common.Timing | None = None, workers: int = 0,
+    batch_molecules: int = 32, padded: tuple[str, ...] = ("radius", "knn"), compile: bool = True,
 ) -> dict:  # fmt: skip
     """Every variant side by side (``compile``: ``torch.compile`` twins, PyG stays eager)."""
-    size = size or ModelConfig()
     timing = timing or common.Timing(warmup=5, steps=10, repeats=10)
     results: dict[str, dict] = {}
     steps: dict[str, Callable[[], int]] = {}
