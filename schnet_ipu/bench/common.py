@@ -11,13 +11,13 @@ import json
 import math
 import os
 import platform
-import statistics
 import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 import numpy as np
@@ -54,8 +54,8 @@ class Rate:
     molecules_per_s: float
     step_seconds: float
     molecules_per_step: float
-    repeats: list[float] = field(default_factory=list)
-    seconds: list[float] = field(default_factory=list)
+    repeats: list[float]
+    seconds: list[float]
 
 
 def measure_side_by_side(steps: dict[str, Callable[[], int]], timing: Timing) -> dict[str, Rate]:
@@ -71,16 +71,13 @@ def measure_side_by_side(steps: dict[str, Callable[[], int]], timing: Timing) ->
             for _ in range(timing.steps):
                 count += step()
             windows[name].append((time.perf_counter() - start, count))
-    return {
-        name: Rate(
-            statistics.median(count / seconds for seconds, count in w),
-            statistics.median(seconds / timing.steps for seconds, _ in w),
-            statistics.median(count / timing.steps for _, count in w),
-            [count / seconds for seconds, count in w],
-            [seconds / timing.steps for seconds, _ in w],
-        )
-        for name, w in windows.items()
-    }
+    rates = {}
+    for name, rounds in windows.items():
+        per_s = [count / seconds for seconds, count in rounds]
+        per_call = [seconds / timing.steps for seconds, _ in rounds]
+        per_step = median(count / timing.steps for _, count in rounds)
+        rates[name] = Rate(median(per_s), median(per_call), per_step, per_s, per_call)
+    return rates
 
 
 def ratio(a: float, b: float) -> float | None:
@@ -185,14 +182,11 @@ def machine() -> dict[str, Any]:
 
 def commit() -> str | None:
     """The git sha of the checkout, with ``-dirty`` when it has uncommitted changes."""
-
-    def git(*args: str) -> str:
-        command = ["git", "-C", str(ROOT), *args]
-        return subprocess.check_output(command, text=True, stderr=subprocess.DEVNULL).strip()
-
+    # the full sha even where a tag names the commit (--exclude=*), "-dirty" appended
+    describe = ["describe", "--always", "--abbrev=40", "--exclude=*", "--dirty"]
     try:
-        dirty = git("status", "--porcelain", "--untracked-files=no")
-        return git("rev-parse", "HEAD") + ("-dirty" if dirty else "")
+        command = ["git", "-C", str(ROOT), *describe]
+        return subprocess.check_output(command, text=True, stderr=subprocess.DEVNULL).strip()
     except (OSError, subprocess.CalledProcessError):
         return None
 
@@ -272,16 +266,13 @@ def write_report(
     json_path: str | Path | None = None,
 ) -> None:  # fmt: skip
     """Print the table and write ``<suite>.json``/``.md``/``.png`` (and ``json_path``)."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    text, suite = to_markdown(report, columns), report["suite"]
+    out_dir, suite = Path(out_dir), report["suite"]
+    text = to_markdown(report, columns)
     print(text)
     # strict JSON: NaN and infinities read back as None (null)
     strict = json.loads(json.dumps(report, default=str), parse_constant=lambda _: None)
-    payload = json.dumps(strict, indent=2)
-    (out_dir / f"{suite}.json").write_text(payload)
+    for path in [out_dir / f"{suite}.json", *([Path(json_path)] if json_path else [])]:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(strict, indent=2))
     (out_dir / f"{suite}.md").write_text(text)
     bar_plot(report, *plot, out_dir / f"{suite}.png")
-    if json_path is not None:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(payload)
