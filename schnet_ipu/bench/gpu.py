@@ -138,8 +138,7 @@ def run(
     packs = f"packing.packs_per_batch={common.packs_for(data, molecules_per_step)}"
     setups, skipped = {}, []  # name -> (precision, CUDA graphs, overrides)
     for precision, graphs in itertools.product(precisions, (False, True) if cuda else (False,)):
-        mode = " cuda graph" if graphs else " eager"
-        setups[f"ours {precision}{mode}"] = (precision, graphs, [])
+        setups[f"ours {precision} {'cuda graph' if graphs else 'eager'}"] = (precision, graphs, [])
     for variant in variants:
         name = f"ours {VARIANT_PRECISION} {variant}" + (" cuda graph" if cuda else "")
         if variant in CUDA_ONLY and not cuda:
@@ -149,8 +148,7 @@ def run(
     cfg = paper_config(store, device, subset, [*overrides, packs])
     loader = make_loader(cfg, data, "train", pin_memory=cuda, device=device)
     first_call = next(iter(loader.epoch(0)))
-    configs: dict[str, Config] = {}
-    epochs, backends = {}, {}
+    epochs, trained = {}, {}  # trained: name -> (config, backend) of each of ours
     for name, (precision, graphs, extra) in setups.items():
         setting = [packs, f"backend.precision={precision}", f"backend.cuda_graphs={graphs}".lower()]
         try:
@@ -164,15 +162,15 @@ def run(
         except Exception as error:  # any failure of that first step
             skipped.append(f"{name}: its first step failed: {type(error).__name__}: {error}")
             continue
-        configs[name], epochs[name], backends[name] = variant, epoch, backend
+        epochs[name], trained[name] = epoch, (variant, backend)
     items = pyg.items(data)
     for batch_size in sorted({*pyg_batches, molecules_per_step}):
         epochs[f"{PYG} batch {batch_size}"] = stock_pyg(data, cfg, batch_size, device, items)
     rows = time_rounds(epochs, rounds, device)
-    profiles = {n: profile_steps(b, loader, device) for n, b in backends.items() if profile}
+    profiles = {n: profile_steps(b, loader, device) for n, (_, b) in trained.items() if profile}
     for row in rows:
-        if row["name"] in backends:
-            backend, variant = backends[row["name"]], configs[row["name"]]
+        if row["name"] in trained:
+            variant, backend = trained[row["name"]]
             val_loader = make_loader(variant, data, "val")
             val = evaluate(components.make_task(variant, data), backend, val_loader, "val")
             row.update(precision=variant.backend.precision,
