@@ -48,9 +48,7 @@ def main(argv: list[str] | None = None) -> dict:
     suite = importlib.import_module(f"schnet_ipu.bench.{args.suite}")
     takes = inspect.signature(suite.run).parameters
     options = dict(suite.QUICK) if args.quick else {}  # the options given override these
-    options.update(
-        {k: v for k, v in (("store", args.store), ("out_dir", args.out_dir)) if k in takes}
-    )
+    options.update({key: getattr(args, key) for key in ("store", "out_dir") if key in takes})
     for option, (keyword, _) in OPTIONS.items():
         value = getattr(args, option)
         if value is not None and keyword not in takes:
