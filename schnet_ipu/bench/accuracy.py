@@ -1,7 +1,5 @@
 """Accuracy at equal wall time: our trainer and stock PyG SchNet, M minutes each.
 
-    python -m schnet_ipu.bench accuracy --minutes 10 [--ours-only] [--json out.json] [--out-dir DIR]
-
 One after the other on ``configs/qm9.yaml``'s split and size: ours under ``optim.max_minutes``,
 stock PyG (batch 32, Adam 1e-3 on a cosine over the minutes, the best of 20 validations
 tested); ``--ours-only`` skips PyG. Measured (2-core AMD EPYC, full QM9 U0): our test MAE

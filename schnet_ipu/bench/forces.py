@@ -1,9 +1,5 @@
 """Force fields at equal wall time: our trainer against schnetpack 2.1.1's SchNet.
 
-    python -m schnet_ipu.bench forces [--config configs/emt_forces.yaml] [--minutes 1.5]
-        [--set section.key=value ...] [--variant "NAME: key=value key=value" ...]
-        [--parallel 2] [--out-dir DIR]
-
 On a force config's frames and split, same model size: ours (the config under
 ``optim.max_minutes=M``), schnetpack's stock MD17-style recipe (:mod:`.schnetpack_side`) and
 ``--variant`` rows of ours; sides are processes, ``--parallel`` at a time, one thread each.
