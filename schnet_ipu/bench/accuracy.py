@@ -57,8 +57,7 @@ def stock_pyg(data: PreparedData, model_cfg, minutes: float) -> dict:
 
 def run(
     store: str | Path, minutes: float = 10.0, subset: int = 0,
-    out_dir: str | Path = "bench_results", overrides: tuple[str, ...] = (),
-    ours_only: bool = False,
+    out_dir: str | Path = "bench_results", overrides: tuple[str, ...] = (), ours_only: bool = False,
 ) -> dict:  # fmt: skip
     """Both sides (``ours_only``: ours alone) on ``configs/qm9.yaml`` with ``overrides``."""
     shared = [f"data.path={store}", f"data.subset={subset}", *overrides]
@@ -67,8 +66,7 @@ def run(
         final, ours = common.train_for(cfg, minutes, Path(folder) / "run", ["val_mae"])
         rows = [{"name": "ours (configs/qm9.yaml)", "test_mae": final["test_mae"],
                  "best_val_mae": final["best_val_mae"], "molecules_seen": ours["seen"],
-                 "epochs": ours["epochs"], "seconds": ours["seconds"],
-                 "curve": ours["curve"]}]  # fmt: skip
+                 **{key: ours[key] for key in ("epochs", "seconds", "curve")}}]  # fmt: skip
         if not ours_only:
             rows.append(stock_pyg(prepare_data(cfg), cfg.model, minutes))
     common.curve_plot(rows, ["validation MAE (eV)"], out_dir, "accuracy_vs_time.png")

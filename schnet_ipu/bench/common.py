@@ -234,6 +234,7 @@ def figure(path: Path, panels: int, figsize: tuple[float, float]) -> Iterator[np
     fig, axes = plt.subplots(1, panels, figsize=figsize)
     yield np.atleast_1d(axes)
     fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
@@ -250,7 +251,6 @@ def bar_plot(report: dict, label: str, value: str, ylabel: str, path: Path) -> N
 
 def curve_plot(rows: list[dict], ylabels: list[str], out_dir: str | Path, name: str) -> None:
     """Each row's ``curve`` of (seconds, value, ...): a log-scale panel per value, in minutes."""
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
     with figure(Path(out_dir) / name, len(ylabels), (5.5 * len(ylabels) + 1.5, 4)) as axes:
         for row in rows:
             seconds, *values = (np.array(c) for c in zip(*row["curve"]))

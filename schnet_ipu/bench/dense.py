@@ -26,9 +26,7 @@ QUICK = {"sample": 600, "water_clusters": 150, "water_sizes": (3, 10),
 
 def variant(store: str, sample: int, size: ModelConfig, overrides: list[str], batch: int):
     """Row facts, the training step and the pair efficiencies of one configuration."""
-    cfg, data, loader, backend = common.our_trainer(
-        store, sample, size, [*overrides, "loader.workers=0"], batch
-    )
+    cfg, data, loader, backend = common.our_trainer(store, sample, size, overrides, batch)
     for index in data.split["train"].tolist():  # in memory before timing
         data.store.molecule(index)
     first = next(iter(loader.epoch(0)))[0]
@@ -64,7 +62,7 @@ def run(
         for dataset, graph, layout in itertools.product(setups, GRAPHS, ("sparse", "dense")):
             count, extra = setups[dataset]
             overrides = [*extra, f"model.graph={graph}", f"packing.algorithm={GRAPHS[graph]}",
-                         f"model.message_passing={layout}"]  # fmt: skip
+                         f"model.message_passing={layout}", "loader.workers=0"]  # fmt: skip
             label, path = f"{dataset}/{graph}/{layout}", str(datasets[dataset][0])
             row, steps[label] = variant(path, count, size, overrides, batch_molecules)
             row.update(dataset=dataset, graph=graph, message_passing=layout, label=label)

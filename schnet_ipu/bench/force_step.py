@@ -1,11 +1,7 @@
-"""Step time of force training against energy-only training, side by side.
-
-    python -m schnet_ipu.bench force_step [--config configs/emt_forces.yaml] [--set key=value]
-    python -m schnet_ipu.bench force_step --device cuda   # plus the Triton flavour's variants
-    python -m schnet_ipu.bench force_step --variant forces_table   # that one and energy
-
-Every ``VARIANTS`` entry's trainer on the same batches, interleaved (on CUDA inside its CUDA
-graph). Measured (``forces-step-cpu``, one thread): forces with the table over exact
+"""Step time of force training against energy-only training, side by side: every
+``VARIANTS`` entry's trainer on the same batches, interleaved (on CUDA inside its CUDA graph;
+``--device cuda`` adds the Triton flavour's variants, ``--variant NAME`` times that one beside
+``energy``). Measured (``forces-step-cpu``, one thread): forces with the table over exact
 0.66-0.71 on the EMT clusters (K = 128), 0.436 on the xTB molecules."""
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Full QM9 training epochs on one GPU: ours (each precision, eager and a CUDA graph per
 step, and the tf32 step ``VARIANTS``) against stock PyG SchNet, side by side in one process.
-
-    python -m schnet_ipu.bench gpu --json docs/benchmarks/gpu-h100.json --profile
-    python -m schnet_ipu.bench gpu --device cpu --subset 300 --quick   # a smoke run on a CPU
-
 Measured (H200, ``gpu-h200-2048-compiled-8x8``): tf32, compiled, table filter, CUDA graph,
 ~2,015 molecules per step: 0.277 s per full epoch, 8.6x stock PyG at batch 2048 in the same
-run. ``--profile``: the top kernels per step."""
+run. ``--profile``: the top kernels per step; ``--device cpu --subset 300 --quick``: a smoke
+run on a CPU."""
 
 from __future__ import annotations
 
@@ -126,11 +123,10 @@ def time_rounds(epochs: dict[str, Epoch], rounds: int, device: str) -> list[dict
 
 
 def run(
-    store: str | Path = common.QM9_STORE, device: str = "cuda", subset: int = 0,
-    rounds: int = 3, pyg_batches: tuple[int, ...] = (32, 128, 512),
-    precisions: tuple[str, ...] = PRECISIONS, overrides: list[str] = (),
-    molecules_per_step: int = 32, variants: tuple[str, ...] = tuple(VARIANTS),
-    profile: bool = False,
+    store: str | Path = common.QM9_STORE, device: str = "cuda", subset: int = 0, rounds: int = 3,
+    pyg_batches: tuple[int, ...] = (32, 128, 512), precisions: tuple[str, ...] = PRECISIONS,
+    overrides: list[str] = (), molecules_per_step: int = 32,
+    variants: tuple[str, ...] = tuple(VARIANTS), profile: bool = False,
 ) -> dict:  # fmt: skip
     """Every variant side by side (CUDA graphs and Triton only on CUDA), PyG at each batch."""
     cuda = device.startswith("cuda")
