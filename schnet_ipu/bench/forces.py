@@ -73,14 +73,12 @@ def with_units(row: dict, minutes: float) -> dict:
 
 def run(
     minutes: float = 1.5, config: str | Path = common.FORCE_CONFIG,
-    overrides: list[str] | None = None, variants: list[str] | None = None, parallel: int = 2,
+    overrides: list[str] = (), variants: list[str] | None = None, parallel: int = 2,
     out_dir: str | Path = "bench_results",
 ) -> dict:  # fmt: skip
-    """Both sides for ``minutes`` on ``config``'s frames (the config names the data)."""
     if importlib.util.find_spec("schnetpack") is None:
         raise UserError("bench forces needs schnetpack 2.1.1, a bench-only extra: "
                         "pip install -e .[bench] (see pyproject.toml)")  # fmt: skip
-    overrides = list(overrides or [])
     cfg = force_config(config, overrides)
     data = prepare_data(cfg)  # the store and its split, before the sides read them
     with tempfile.TemporaryDirectory() as tmp:
