@@ -25,7 +25,6 @@ QUICK = {"minutes": 1.0, "subset": 4000}
 
 
 def stock_pyg(data: PreparedData, model_cfg, minutes: float) -> dict:
-    """Stock PyG SchNet for ``minutes`` (see the module docstring)."""
     train_items, val_items = pyg.items(data, "train"), pyg.items(data, "val")
     per_atom = data.targets[data.split["train"]] / data.store.num_atoms[data.split["train"]]
     mean, std = float(per_atom.mean()), float(per_atom.std())

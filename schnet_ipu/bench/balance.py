@@ -149,7 +149,6 @@ def run(
     water_sizes: tuple[int, int] = (3, 30), batch: int = 32, epochs: int = 3,
     size: ModelConfig = common.PAPER_SIZE,
 ) -> dict:  # fmt: skip
-    """QM9 (a fixed random sample) and synthetic water, dynamic batches and packs."""
     with common.qm9_and_water(store, sample, water_clusters, water_sizes) as datasets:
         jobs = [
             {"dataset": name, "store": str(path), "index": index, "batching": batching,

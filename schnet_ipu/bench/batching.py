@@ -105,7 +105,6 @@ def run(
     water_sizes: tuple[int, int] = (3, 20), size: ModelConfig = common.PAPER_SIZE,
     batch_sizes: tuple[int, ...] = (16, 32, 64), max_shapes: int = 6, repeats: int = 3,
 ) -> dict:  # fmt: skip
-    """QM9 (a fixed random sample) and a temporary synthetic water store, side by side."""
     results = []
     with common.qm9_and_water(store, sample, water_clusters, water_sizes) as datasets:
         for name, (path, index) in datasets.items():

@@ -182,8 +182,7 @@ def machine() -> dict[str, Any]:
 
 def commit() -> str | None:
     """The git sha of the checkout, with ``-dirty`` when it has uncommitted changes."""
-    # the full sha even where a tag names the commit (--exclude=*), "-dirty" appended
-    describe = ["describe", "--always", "--abbrev=40", "--exclude=*", "--dirty"]
+    describe = ["describe", "--always", "--abbrev=40", "--exclude=*", "--dirty"]  # no tag names
     try:
         command = ["git", "-C", str(ROOT), *describe]
         return subprocess.check_output(command, text=True, stderr=subprocess.DEVNULL).strip()

@@ -53,7 +53,6 @@ def run(
     water_sizes: tuple[int, int] = (3, 20), batch_molecules: int = 32,
     size: ModelConfig = common.PAPER_SIZE, timing: common.Timing | None = None,
 ) -> dict:  # fmt: skip
-    """Every data set (QM9 sample, temporary water store), graph and layout side by side."""
     timing = timing or common.Timing(warmup=2, steps=6, repeats=3)
     rows, steps = [], {}
     with common.qm9_and_water(store, sample, water_clusters, water_sizes) as datasets:

@@ -128,7 +128,6 @@ def run(
     overrides: list[str] = (), molecules_per_step: int = 32,
     variants: tuple[str, ...] = tuple(VARIANTS), profile: bool = False,
 ) -> dict:  # fmt: skip
-    """Every variant side by side (CUDA graphs and Triton only on CUDA), PyG at each batch."""
     cuda = device.startswith("cuda")
     data = prepare_data(paper_config(store, device, subset, list(overrides)))
     packs = f"packing.packs_per_batch={common.packs_for(data, molecules_per_step)}"

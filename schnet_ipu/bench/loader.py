@@ -36,7 +36,6 @@ QUICK = {"extra": ("data.subset=20000", "data.val=1000", "data.test=1000"), "wor
 
 
 def rss_mb() -> float:
-    """Resident memory of this process now, MB."""
     pages = int(Path("/proc/self/statm").read_text().split()[1])
     return pages * resource.getpagesize() / 2**20
 

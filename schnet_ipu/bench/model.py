@@ -38,7 +38,6 @@ def one_batch(store: MoleculeStore, index: np.ndarray, algorithm: str, layout: d
 
 
 def run(store: str, molecules: int = 512, repeats: int = 5) -> dict:
-    """Every variant in interleaved rounds."""
     qm9 = MoleculeStore(store)
     index = np.sort(np.random.default_rng(0).choice(len(qm9), molecules, replace=False))
     knn = one_batch(qm9, index, "lpfhp", KNN_PACKS)

@@ -38,8 +38,7 @@ def items(data: PreparedData, split: str = "train", limit: int | None = None) ->
 
 
 def schnet(size: ModelConfig, interaction_graph: Callable | None = None, **extra):
-    """PyG's SchNet of our size (``extra``: e.g. ``mean``), by default radius edges per molecule
-    in plain torch (``RADIUS_BUILDER``)."""
+    """PyG's SchNet of our size (``extra``: e.g. ``mean``), by default on ``RADIUS_BUILDER``."""
     from torch_geometric.nn.models import SchNet
 
     def radius_graph(pos: torch.Tensor, batch: torch.Tensor):
@@ -51,9 +50,8 @@ def schnet(size: ModelConfig, interaction_graph: Callable | None = None, **extra
 
 
 class Trainer:
-    """Stock PyG SchNet of our size (``extra``: e.g. ``mean``) on shuffled batches of
-    ``train_items`` (default: the training split), Adam 1e-3, with our standardised loss
-    (``scale``: by default the data's residual std)."""
+    """Stock PyG SchNet of our size on shuffled batches of ``train_items`` (default: the
+    training split), Adam 1e-3, our standardised loss (``scale``: default the residual std)."""
 
     def __init__(
         self, data: PreparedData, size: ModelConfig, batch_size: int = 32, device: str = "cpu",
