@@ -76,7 +76,7 @@ def run_epoch(model, optim, batches: list[Batch], schedule: np.ndarray, rank: in
 
 
 def time_jobs(
-    rank: int, world: int, jobs: list[dict], size: ModelConfig, epochs: int
+    rank: int, world: int, jobs: list[dict], batch: int, size: ModelConfig, epochs: int
 ) -> tuple[list[dict], dict]:
     """The replica runner's setup: join the gloo group and time every job; its facts: the jobs'
     rows (the same on every rank), round-robin and cost-model epochs alternating."""
@@ -84,7 +84,7 @@ def time_jobs(
     results = []
     for job in jobs:
         store = MoleculeStore(job["store"])
-        batches = build_batches(store, job["index"], job["batching"], job["batch"], size.cutoff)
+        batches = build_batches(store, job["index"], job["batching"], batch, size.cutoff)
         atoms, edges = shape_counts(batches)
         torch.manual_seed(0)
         model = common.schnet(size, graph="radius", max_nodes_per_pack=1)
@@ -150,12 +150,10 @@ def run(
     size: ModelConfig = common.PAPER_SIZE,
 ) -> dict:  # fmt: skip
     with common.qm9_and_water(store, sample, water_clusters, water_sizes) as datasets:
-        jobs = [
-            {"dataset": name, "store": str(path), "index": index, "batching": batching,
-             "batch": batch}
-            for name, (path, index) in datasets.items() for batching in ("dynamic", "packs")
-        ]  # fmt: skip
-        with Replicas(REPLICAS, time_jobs, jobs, size, epochs) as group:
+        jobs = [{"dataset": name, "store": str(path), "index": index, "batching": batching}
+                for name, (path, index) in datasets.items()
+                for batching in ("dynamic", "packs")]  # fmt: skip
+        with Replicas(REPLICAS, time_jobs, jobs, batch, size, epochs) as group:
             results = group.facts[0]
     ratios = {
         f"{rr['dataset']}_{rr['batching']}_epoch_speedup": rr["epoch_s"] / cost["epoch_s"]

@@ -25,7 +25,6 @@ from schnet_ipu.evaluation import evaluate
 from schnet_ipu.loader import PackedLoader
 from schnet_ipu.pipeline import PreparedData, make_loader, prepare_data
 
-PYG = pyg.NAME
 PRECISIONS = ("fp32", "tf32", "bf16")
 VARIANT_PRECISION = "tf32"
 # name -> config overrides
@@ -160,7 +159,7 @@ def run(
         epochs[name], trained[name] = epoch, (variant, backend)
     items = pyg.items(data)
     for batch_size in sorted({*pyg_batches, molecules_per_step}):
-        epochs[f"{PYG} batch {batch_size}"] = stock_pyg(data, cfg, batch_size, device, items)
+        epochs[f"{pyg.NAME} batch {batch_size}"] = stock_pyg(data, cfg, batch_size, device, items)
     rows = time_rounds(epochs, rounds, device)
     profiles = {n: profile_steps(b, loader, device) for n, (_, b) in trained.items() if profile}
     for row in rows:
@@ -175,12 +174,12 @@ def run(
                        recompilations=backend.recompilations, val_mae=val["mae"])  # fmt: skip
     seconds = {row["name"]: row["epoch_seconds"] for row in rows}
     best_ours = min((n for n in seconds if n.startswith("ours")), key=seconds.get)
-    best_pyg = min((n for n in seconds if n.startswith(PYG)), key=seconds.get)
+    best_pyg = min((n for n in seconds if n.startswith(pyg.NAME)), key=seconds.get)
     for row in rows:
         row["ratio_vs_pyg_best"] = common.ratio(seconds[best_pyg], row["epoch_seconds"])
     ratios = {"best_ours": best_ours, "best_pyg": best_pyg,
               "ratio_vs_pyg_best": common.ratio(seconds[best_pyg], seconds[best_ours]),
-              "ratio_vs_pyg_batch_32": common.ratio(seconds.get(f"{PYG} batch 32", math.nan),
+              "ratio_vs_pyg_batch_32": common.ratio(seconds.get(f"{pyg.NAME} batch 32", math.nan),
                                                     seconds[best_ours])}  # fmt: skip
     plan = data.train_plan
     subset_note = f" (a {subset}-molecule subset: NOT a full-epoch figure)" if subset else ""
