@@ -1,9 +1,8 @@
-"""Accuracy at equal wall time: our trainer and stock PyG SchNet, M minutes each.
-
-One after the other on ``configs/qm9.yaml``'s split and size: ours under ``optim.max_minutes``,
-stock PyG (batch 32, Adam 1e-3 on a cosine over the minutes, the best of 20 validations
-tested); ``--ours-only`` skips PyG. Measured (2-core AMD EPYC, full QM9 U0): our test MAE
-0.31x PyG's after 10 minutes each, 0.44x after 30."""
+"""Accuracy at equal wall time: our trainer and stock PyG SchNet, M minutes each, one after
+the other on ``configs/qm9.yaml``'s split and size: ours under ``optim.max_minutes``, stock PyG
+(batch 32, Adam 1e-3 on a cosine over the minutes, the best of 20 validations tested);
+``--ours-only`` skips PyG. Measured (2-core AMD EPYC, full QM9 U0): our test MAE 0.31x PyG's
+after 10 minutes each, 0.44x after 30."""
 
 from __future__ import annotations
 

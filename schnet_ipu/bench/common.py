@@ -1,6 +1,5 @@
-"""The one harness of the benchmark suites: configs, the interleaved timer, machine facts and
-the report writer. A suite returns ``{"suite", "machine", "commit", "results", "ratios",
-"notes"}`` (:func:`new_report`); :func:`write_report` writes its JSON, markdown and PNG."""
+"""The suites' one harness: configs, the interleaved timer, machine facts and the report
+(:func:`new_report`), which :func:`write_report` writes as JSON, markdown and PNG."""
 
 from __future__ import annotations
 

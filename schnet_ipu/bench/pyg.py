@@ -1,7 +1,6 @@
 """Stock PyG SchNet, the baseline of the throughput, model, loader, gpu and accuracy suites:
-``torch_geometric.nn.models.SchNet`` out of the box on its ``DataLoader`` over our store's
-molecules. Its default radius graph needs torch-cluster (not installed): it gets one in pure
-torch (:func:`schnet`'s, built inside the timed step as PyG's own would be)."""
+``torch_geometric.nn.models.SchNet`` on its ``DataLoader`` over our store's molecules, its
+radius graph (torch-cluster's, not installed) in pure torch inside the timed step."""
 
 from __future__ import annotations
 
@@ -72,8 +71,7 @@ class Trainer:
         batch = next(self.batches)
         self.optimizer.zero_grad(set_to_none=True)
         pred = self.model(batch.z, batch.pos, batch.batch).view(-1)
-        mask = torch.ones_like(batch.y, dtype=torch.bool)
-        masked_mse(pred, batch.y, mask, self.scale).backward()
+        masked_mse(pred, batch.y, torch.ones_like(batch.y, dtype=torch.bool), self.scale).backward()
         self.optimizer.step()
         return batch.num_graphs
 

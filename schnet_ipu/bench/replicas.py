@@ -1,7 +1,6 @@
 """The one replica runner: R spawned processes (a gloo group on CPU) that set up their variants
-once, then run one on request, all R in lockstep: a replicated variant is timed by the same
-interleaved timer as the in-process ones (the replicas wait idle on a pipe meanwhile), and a
-measurement inside the group (balance's epochs) is their setup, its rows their facts."""
+once, then run one on request in lockstep, timed by the interleaved timer like the in-process
+ones (idle on a pipe meanwhile); balance's measurement is the setup, its rows the facts."""
 
 from __future__ import annotations
 
