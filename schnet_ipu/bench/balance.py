@@ -78,8 +78,7 @@ def run_epoch(model, optim, batches: list[Batch], schedule: np.ndarray, rank: in
 def time_jobs(
     rank: int, world: int, jobs: list[dict], batch: int, size: ModelConfig, epochs: int
 ) -> tuple[list[dict], dict]:
-    """The replica runner's setup: join the gloo group and time every job; its facts: the jobs'
-    rows (the same on every rank), round-robin and cost-model epochs alternating."""
+    """The replicas' setup: every job timed in the gloo group; the facts: the rows of them all."""
     init_replica(BackendConfig(device="cpu", replicas=world), "cpu")
     results = []
     for job in jobs:

@@ -49,8 +49,7 @@ def schnet(size: ModelConfig, interaction_graph: Callable | None = None, **extra
 
 
 class Trainer:
-    """Stock PyG SchNet of our size on shuffled batches of ``train_items`` (default: the
-    training split), Adam 1e-3, our standardised loss (``scale``: default the residual std)."""
+    """Stock PyG SchNet of our size, Adam 1e-3 and our standardised loss on shuffled batches."""
 
     def __init__(
         self, data: PreparedData, size: ModelConfig, batch_size: int = 32, device: str = "cpu",

@@ -107,8 +107,7 @@ def split_errors(task, loader) -> dict[str, float]:
 
 
 def train_schnetpack(model_cfg, database: Path, split_file: Path, minutes: float) -> dict:
-    """Train for ``minutes`` (the module docstring's recipe) in this process, a child of the
-    suite's: a row with the validation curve."""
+    """Train for ``minutes`` by the module docstring's recipe (in a child): a row with its curve."""
     os.chdir(database.parent)  # its data module locks splitting.lock in "."
     torch.set_num_threads(1)
     torch.manual_seed(0)
