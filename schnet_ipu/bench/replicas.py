@@ -15,7 +15,7 @@ from schnet_ipu.backends.distributed import shutdown_replica, spawn_replicas
 Setup = Callable[..., "tuple[Any, dict[str, Callable[[], Any]]]"]
 
 
-class Replicas:
+class Replicas(contextlib.AbstractContextManager):
     """``count`` replicas running ``setup(rank, count, *args)``; ``facts``: each rank's facts."""
 
     def __init__(self, count: int, setup: Setup, *args: object) -> None:
@@ -33,9 +33,6 @@ class Replicas:
             return sum(self._receive(conn) for conn in self.conns)
 
         return call
-
-    def __enter__(self) -> Replicas:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         """Stop the replicas; re-raises a replica's error."""
