@@ -80,23 +80,22 @@ def run(
                         "pip install -e .[bench] (see pyproject.toml)")  # fmt: skip
     cfg = force_config(config, overrides)
     data = prepare_data(cfg)  # the store and its split, before the sides read them
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp)
+    with tempfile.TemporaryDirectory() as folder:
         from schnet_ipu.bench.schnetpack_side import train_schnetpack, write_database
 
-        database, split = folder / "db.db", folder / "split.npz"
+        database, split = Path(folder, "db.db"), Path(folder, "split.npz")
         write_database(store_frames(data, cfg.data.target), data.dressed_atoms, database)
         write_split(data, split)
         sides = [  # each side's row, each in a fresh process
             functools.partial(train_schnetpack, cfg.model, database, split, minutes),
-            functools.partial(train_ours, cfg, minutes, folder / "ours"),
+            functools.partial(train_ours, cfg, minutes, Path(folder, "ours")),
         ]
         for k, text in enumerate(variants or []):  # "NAME: key=value key=value"
             name, sep, extra = text.partition(":")
             if not sep or not name.strip():
                 raise UserError(f"--variant {text!r} must look like 'NAME: section.key=value ...'")
             variant = force_config(config, [*overrides, *extra.split()])
-            run_dir, label = folder / f"variant{k}", f"ours: {name.strip()}"
+            run_dir, label = Path(folder, f"variant{k}"), f"ours: {name.strip()}"
             sides.append(functools.partial(train_ours, variant, minutes, run_dir, label))
         rows = []
         for start in range(0, len(sides), parallel):  # fresh spawned processes, a wave at a time
