@@ -58,7 +58,7 @@ def shape_counts(batches: list[Batch]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def run_epoch(model, optim, batches: list[Batch], schedule: np.ndarray, rank: int) -> dict:
-    """Train one epoch of ``schedule`` [steps, R]; this rank's fwd+bwd seconds per step."""
+    """Train one epoch of ``schedule`` [steps, R]: wall seconds, every rank's fwd+bwd per step."""
     compute = np.zeros(len(schedule))
     grads = [p.grad for p in model.parameters()]
     dist.barrier()
@@ -72,7 +72,10 @@ def run_epoch(model, optim, batches: list[Batch], schedule: np.ndarray, rank: in
         compute[step] = time.perf_counter() - tick
         merged_allreduce(grads, dist.get_world_size())
         optim.step()
-    return {"compute": compute, "wall": time.perf_counter() - start}
+    wall = time.perf_counter() - start
+    parts = [torch.zeros(len(compute), dtype=torch.float64) for _ in range(REPLICAS)]
+    dist.all_gather(parts, torch.as_tensor(compute, dtype=torch.float64))
+    return {"compute": torch.stack(parts, dim=1).numpy(), "wall": wall}
 
 
 def time_jobs(
@@ -111,21 +114,14 @@ def calibrate(model, optim, store, index: np.ndarray, cutoff: float, rank: int):
                for b in build_batches(store, part, "dynamic", size, cutoff)]  # fmt: skip
     atoms, edges = shape_counts(batches)
     rr = balance.round_robin(len(batches), REPLICAS)
-    measured = gather(run_epoch(model, optim, batches, rr, rank)["compute"])  # [steps, R]
+    measured = run_epoch(model, optim, batches, rr, rank)["compute"]  # [steps, R]
     real = rr >= 0
     return balance.fit_cost_model(atoms[rr[real]], edges[rr[real]], measured[real])
 
 
-def gather(compute: np.ndarray) -> np.ndarray:
-    """Every rank's per-step seconds [steps] -> [steps, R] (same on every rank)."""
-    parts = [torch.zeros(len(compute), dtype=torch.float64) for _ in range(REPLICAS)]
-    dist.all_gather(parts, torch.as_tensor(compute, dtype=torch.float64))
-    return torch.stack(parts, dim=1).numpy()
-
-
 def summarise(job: dict, name: str, schedule: np.ndarray, epochs: list[dict], cost, atoms, edges):
     """The row of one schedule [steps, R] (medians over its ``epochs``)."""
-    measured = [gather(epoch["compute"]) for epoch in epochs]  # each [steps, R]
+    measured = [epoch["compute"] for epoch in epochs]  # each [steps, R]
     costs = balance.step_costs(schedule, cost.predict(atoms, edges))  # [steps, R]
     real = schedule >= 0
     fit = balance.r_squared(

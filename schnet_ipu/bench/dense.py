@@ -56,7 +56,6 @@ def run(
     timing = timing or common.Timing(warmup=2, steps=6, repeats=3)
     rows, steps = [], {}
     with common.qm9_and_water(store, sample, water_clusters, water_sizes) as datasets:
-        # data set -> (training sample, overrides)
         setups = {"qm9": (sample, []), "water": (int(0.9 * water_clusters) - 1, WATER)}
         for dataset, graph, layout in itertools.product(setups, GRAPHS, ("sparse", "dense")):
             count, extra = setups[dataset]

@@ -26,7 +26,6 @@ from schnet_ipu.pipeline import PreparedData, make_loader, prepare_data
 
 PRECISIONS = ("fp32", "tf32", "bf16")
 VARIANT_PRECISION = "tf32"
-# name -> config overrides
 VARIANTS = {"compiled": ["backend.compile=true"], "fused": ["model.ops=triton"],
             "table": ["model.ops=triton", "model.filter=table"],
             "compiled fused": ["backend.compile=true", "model.ops=triton"],

@@ -30,8 +30,7 @@ def one_batch(store: MoleculeStore, index: np.ndarray, algorithm: str, layout: d
     edges = edge_counts(store, SIZE.cutoff)[index] if algorithm == "tuple" else None
     plan = plan_packing(nodes, edges, algorithm, **layout)
     packs = assign_packs(plan, nodes, edges, seed=0, epoch=0)
-    radius = (plan.max_edges, SIZE.cutoff) if algorithm == "tuple" else ()
-    shape = Layout(len(packs), plan.max_nodes, plan.max_graphs, *radius)
+    shape = Layout.from_plan(plan, len(packs), SIZE.cutoff if algorithm == "tuple" else None)
     return collate_groups(store, index, [(packs, shape)])[0], packs, plan
 
 

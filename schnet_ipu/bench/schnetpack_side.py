@@ -26,7 +26,6 @@ if not hasattr(torch.utils.data.dataloader, "T_co"):
     torch.utils.data.dataloader.T_co = typing.TypeVar("T_co", covariant=True)
 import schnetpack as spk  # after the shim
 
-SCHNETPACK_VERSION = "2.1.1"
 BATCH_SIZE = 10
 LEARNING_RATE = 5e-4
 LOSS_WEIGHTS = {"energy": 0.01, "forces": 0.99}
@@ -138,7 +137,7 @@ def train_schnetpack(model_cfg, database: Path, split_file: Path, minutes: float
     seen, weights = recorder.structures, f"{LOSS_WEIGHTS['energy']}/{LOSS_WEIGHTS['forces']}"
     recipe = (f"batch {BATCH_SIZE}, AdamW {LEARNING_RATE}, loss weights {weights}, "
               f"plateau (patience {PLATEAU['patience']} epochs)")  # fmt: skip
-    return {"name": f"schnetpack {SCHNETPACK_VERSION}", **{f"test_{k}": v for k, v in test.items()},
+    return {"name": f"schnetpack {spk.__version__}", **{f"test_{k}": v for k, v in test.items()},
             "structures_per_s": seen / max(recorder.train_seconds, 1e-9), "structures_seen": seen,
             "epochs": seen / len(data.train_dataset), "seconds": recorder.seconds(),
             "curve": recorder.curve, "recipe": recipe}  # fmt: skip
