@@ -108,8 +108,7 @@ def our_trainer(
     store: str | Path, sample: int, size: ModelConfig, overrides: list[str],
     batch_molecules: float, replicas: int = 1,
 ) -> tuple[Config, PreparedData, PackedLoader, Any]:  # fmt: skip
-    """Our trainer of ``size`` on a fixed ``sample`` of the store: config, data, loader, backend
-    (``replicas`` > 1: this process joins their group, training its share of the batch)."""
+    """Config, data, loader and backend of ``size`` on a fixed ``sample``, one of ``replicas``."""
     cfg = Config(model=replace(size))  # the model under test; overrides pick its graph
     for item in [f"data.path={store}", f"data.subset={round(sample / 0.9)}", "data.val=0.05",
                  "data.test=0.05", "optim.grad_clip=0", "backend.device=cpu",

@@ -45,12 +45,10 @@ def run(
     config: str | Path = common.FORCE_CONFIG, overrides: list[str] = (), rounds: int = 5,
     steps: int = 5, device: str = "cpu", variants: list[str] | None = None,
 ) -> dict:  # fmt: skip
-    """Every variant (``variants``: those and ``energy``) on ``config``'s first ``steps`` host
-    calls, ``rounds`` rounds, on ``device`` (the Triton variants on CUDA only)."""
-    unknown = sorted(set(variants or ()) - set(VARIANTS))
+    """Every variant (``variants``: those and ``energy``; Triton's on CUDA only), interleaved."""
+    unknown = ", ".join(sorted(set(variants or ()) - set(VARIANTS)))
     if unknown:
-        names = ", ".join(VARIANTS)
-        raise UserError(f"bench force_step: no variant {', '.join(unknown)} (one of {names})")
+        raise UserError(f"bench force_step: no variant {unknown} (one of {', '.join(VARIANTS)})")
     cuda = device.startswith("cuda")
     cfg = load_config(config, [*overrides, "loader.workers=0", f"backend.device={device}"])
     if cfg.backend.threads:

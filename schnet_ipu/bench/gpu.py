@@ -193,8 +193,6 @@ def run(
         "graph_recaptures: CUDA-graph captures after the first.",
         *(f"Skipped {line}" for line in skipped),
     ]
-    if not cuda:
-        notes.insert(3, f"Run on {device}: CUDA-graph variants skipped; no GPU memory figures.")
     device_facts = {"name": torch.cuda.get_device_name(device) if cuda else "cpu (not a GPU run)",
                     "torch": torch.__version__, "cuda": torch.version.cuda,
                     "cudnn": torch.backends.cudnn.version() if cuda else None}  # fmt: skip

@@ -32,14 +32,13 @@ LOSS_WEIGHTS = {"energy": 0.01, "forces": 0.99}
 # configs/task/scheduler/reduce_on_plateau.yaml, less schnetpack's smoothing_factor
 PLATEAU = {"mode": "min", "factor": 0.5, "patience": 75, "threshold": 0.0,
            "threshold_mode": "rel", "cooldown": 10, "min_lr": 0.0}  # fmt: skip
-ZMAX = 100  # length of schnetpack's atom-reference table (RemoveOffsets' zmax)
 
 
 def write_database(frames: dict, atomrefs: np.ndarray, path: Path) -> None:
     """The frames (:func:`.forces.store_frames`) as schnetpack's ASE db at ``path`` (eV, eV/A)."""
     dataset = spk.data.ASEAtomsData.create(
         str(path), distance_unit="Ang", property_unit_dict={"energy": "eV", "forces": "eV/Ang"},
-        atomrefs={"energy": atomrefs[:ZMAX].tolist()},
+        atomrefs={"energy": atomrefs[:100].tolist()},  # RemoveOffsets' table length (zmax)
     )  # fmt: skip
     columns = zip(frames["z"], frames["pos"], frames["cell"], frames["pbc"])
     atoms = [Atoms(numbers=z, positions=pos, cell=cell, pbc=pbc) for z, pos, cell, pbc in columns]
@@ -80,8 +79,7 @@ def build_task(model_cfg):
 
 
 def split_errors(task, loader) -> dict[str, float]:
-    """Energy MAE (eV, eV/atom), force MAE and loss (as ``val_loss``) on ``loader``, compared
-    as ``AtomisticTask.test_step`` does (the model writes into the batch: targets first)."""
+    """Energy MAE (eV, eV/atom), force MAE and loss as ``test_step`` has them (targets copied)."""
     sums = dict.fromkeys(("mae", "energy_mae_per_atom", "force_mae", "loss"), 0.0)
     structures, components = 0, 0
     task.eval()
@@ -144,8 +142,7 @@ def train_schnetpack(model_cfg, database: Path, split_file: Path, minutes: float
 
 
 class Recorder(pl.Callback):
-    """Training structures and batch seconds (loading included, validation not), the curve of
-    validation errors and the best-validation weights."""
+    """Structures and seconds of training batches (loading in), validation curve, best weights."""
 
     def __init__(self) -> None:
         self.structures, self.train_seconds, self.best_loss = 0, 0.0, float("inf")
