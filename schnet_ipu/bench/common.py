@@ -263,8 +263,7 @@ def write_report(
     json_path: str | Path | None = None,
 ) -> None:  # fmt: skip
     """Print the table and write ``<suite>.json``/``.md``/``.png`` (and ``json_path``)."""
-    out_dir, suite = Path(out_dir), report["suite"]
-    text = to_markdown(report, columns)
+    out_dir, suite, text = Path(out_dir), report["suite"], to_markdown(report, columns)
     print(text)
     # strict JSON: NaN and infinities read back as None (null)
     strict = json.loads(json.dumps(report, default=str), parse_constant=lambda _: None)
