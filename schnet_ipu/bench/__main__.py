@@ -1,13 +1,12 @@
 """``python -m schnet_ipu.bench SUITE [--quick] [--json PATH] [--out-dir DIR] [--store PATH]``.
 
-Each suite's module docstring says what it measures. Suite options (another suite refuses
-them; they override ``--quick``'s reduced settings): ``--device`` (gpu, force_step),
-``--subset N`` (gpu, accuracy), ``--molecules-per-step N`` and ``--profile`` (gpu),
-``--minutes M`` (accuracy, forces), ``--ours-only`` (accuracy), ``--set section.key=value``
-(gpu, accuracy, forces, force_step), ``--config C`` (forces, force_step), ``--variant``
-(forces: ``'NAME: key=value ...'``; gpu and force_step: a name of the module's
-``VARIANTS``), ``--parallel N`` (forces). Each writes ``SUITE.json``, ``.md`` and ``.png`` in
-``--out-dir``."""
+Each suite's module docstring says what it measures. Suite options (another suite refuses them;
+they override ``--quick``'s reduced settings): ``--device`` (gpu, force_step), ``--subset N``
+(gpu, accuracy), ``--molecules-per-step N`` and ``--profile`` (gpu), ``--minutes M`` (accuracy,
+forces), ``--ours-only`` (accuracy), ``--set section.key=value`` (gpu, accuracy, forces,
+force_step), ``--config C`` (forces, force_step), ``--parallel N`` (forces), ``--variant``
+(forces: ``'NAME: key=value ...'``; gpu and force_step: a name of the module's ``VARIANTS``).
+Each writes ``SUITE.json``, ``.md`` and ``.png`` in ``--out-dir``."""
 
 from __future__ import annotations
 
@@ -48,9 +47,7 @@ def main(argv: list[str] | None = None) -> dict:
     suite = importlib.import_module(f"schnet_ipu.bench.{args.suite}")
     takes = inspect.signature(suite.run).parameters
     options = dict(suite.QUICK) if args.quick else {}  # the options given override these
-    options.update(
-        {k: v for k, v in (("store", args.store), ("out_dir", args.out_dir)) if k in takes}
-    )
+    options.update({key: getattr(args, key) for key in ("store", "out_dir") if key in takes})
     for option, (keyword, _) in OPTIONS.items():
         value = getattr(args, option)
         if value is not None and keyword not in takes:

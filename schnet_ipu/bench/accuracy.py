@@ -1,11 +1,8 @@
-"""Accuracy at equal wall time: our trainer and stock PyG SchNet, M minutes each.
-
-    python -m schnet_ipu.bench accuracy --minutes 10 [--ours-only] [--json out.json] [--out-dir DIR]
-
-One after the other on ``configs/qm9.yaml``'s split and size: ours under ``optim.max_minutes``,
-stock PyG (batch 32, Adam 1e-3 on a cosine over the minutes, the best of 20 validations
-tested); ``--ours-only`` skips PyG. Measured (2-core AMD EPYC, full QM9 U0): our test MAE
-0.31x PyG's after 10 minutes each, 0.44x after 30."""
+"""Accuracy at equal wall time: our trainer and stock PyG SchNet, M minutes each, one after
+the other on ``configs/qm9.yaml``'s split and size: ours under ``optim.max_minutes``, stock PyG
+(batch 32, Adam 1e-3 on a cosine over the minutes, the best of 20 validations tested);
+``--ours-only`` skips PyG. Measured (2-core AMD EPYC, full QM9 U0): our test MAE 0.31x PyG's
+after 10 minutes each, 0.44x after 30."""
 
 from __future__ import annotations
 
@@ -27,7 +24,6 @@ QUICK = {"minutes": 1.0, "subset": 4000}
 
 
 def stock_pyg(data: PreparedData, model_cfg, minutes: float) -> dict:
-    """Stock PyG SchNet for ``minutes`` (see the module docstring)."""
     train_items, val_items = pyg.items(data, "train"), pyg.items(data, "val")
     per_atom = data.targets[data.split["train"]] / data.store.num_atoms[data.split["train"]]
     mean, std = float(per_atom.mean()), float(per_atom.std())
@@ -59,8 +55,7 @@ def stock_pyg(data: PreparedData, model_cfg, minutes: float) -> dict:
 
 def run(
     store: str | Path, minutes: float = 10.0, subset: int = 0,
-    out_dir: str | Path = "bench_results", overrides: tuple[str, ...] = (),
-    ours_only: bool = False,
+    out_dir: str | Path = "bench_results", overrides: tuple[str, ...] = (), ours_only: bool = False,
 ) -> dict:  # fmt: skip
     """Both sides (``ours_only``: ours alone) on ``configs/qm9.yaml`` with ``overrides``."""
     shared = [f"data.path={store}", f"data.subset={subset}", *overrides]
@@ -69,8 +64,7 @@ def run(
         final, ours = common.train_for(cfg, minutes, Path(folder) / "run", ["val_mae"])
         rows = [{"name": "ours (configs/qm9.yaml)", "test_mae": final["test_mae"],
                  "best_val_mae": final["best_val_mae"], "molecules_seen": ours["seen"],
-                 "epochs": ours["epochs"], "seconds": ours["seconds"],
-                 "curve": ours["curve"]}]  # fmt: skip
+                 **{key: ours[key] for key in ("epochs", "seconds", "curve")}}]  # fmt: skip
         if not ours_only:
             rows.append(stock_pyg(prepare_data(cfg), cfg.model, minutes))
     common.curve_plot(rows, ["validation MAE (eV)"], out_dir, "accuracy_vs_time.png")

@@ -58,7 +58,7 @@ def shape_counts(batches: list[Batch]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def run_epoch(model, optim, batches: list[Batch], schedule: np.ndarray, rank: int) -> dict:
-    """Train one epoch of ``schedule`` [steps, R]; this rank's fwd+bwd seconds per step."""
+    """Train one epoch of ``schedule`` [steps, R]: wall seconds, every rank's fwd+bwd per step."""
     compute = np.zeros(len(schedule))
     grads = [p.grad for p in model.parameters()]
     dist.barrier()
@@ -72,19 +72,21 @@ def run_epoch(model, optim, batches: list[Batch], schedule: np.ndarray, rank: in
         compute[step] = time.perf_counter() - tick
         merged_allreduce(grads, dist.get_world_size())
         optim.step()
-    return {"compute": compute, "wall": time.perf_counter() - start}
+    wall = time.perf_counter() - start
+    parts = [torch.zeros(len(compute), dtype=torch.float64) for _ in range(REPLICAS)]
+    dist.all_gather(parts, torch.as_tensor(compute, dtype=torch.float64))
+    return {"compute": torch.stack(parts, dim=1).numpy(), "wall": wall}
 
 
 def time_jobs(
-    rank: int, world: int, jobs: list[dict], size: ModelConfig, epochs: int
+    rank: int, world: int, jobs: list[dict], batch: int, size: ModelConfig, epochs: int
 ) -> tuple[list[dict], dict]:
-    """The replica runner's setup: join the gloo group and time every job; its facts: the jobs'
-    rows (the same on every rank), round-robin and cost-model epochs alternating."""
+    """The replicas' setup: every job timed in the gloo group; the facts: the rows of them all."""
     init_replica(BackendConfig(device="cpu", replicas=world), "cpu")
     results = []
     for job in jobs:
         store = MoleculeStore(job["store"])
-        batches = build_batches(store, job["index"], job["batching"], job["batch"], size.cutoff)
+        batches = build_batches(store, job["index"], job["batching"], batch, size.cutoff)
         atoms, edges = shape_counts(batches)
         torch.manual_seed(0)
         model = common.schnet(size, graph="radius", max_nodes_per_pack=1)
@@ -112,21 +114,14 @@ def calibrate(model, optim, store, index: np.ndarray, cutoff: float, rank: int):
                for b in build_batches(store, part, "dynamic", size, cutoff)]  # fmt: skip
     atoms, edges = shape_counts(batches)
     rr = balance.round_robin(len(batches), REPLICAS)
-    measured = gather(run_epoch(model, optim, batches, rr, rank)["compute"])  # [steps, R]
+    measured = run_epoch(model, optim, batches, rr, rank)["compute"]  # [steps, R]
     real = rr >= 0
     return balance.fit_cost_model(atoms[rr[real]], edges[rr[real]], measured[real])
 
 
-def gather(compute: np.ndarray) -> np.ndarray:
-    """Every rank's per-step seconds [steps] -> [steps, R] (same on every rank)."""
-    parts = [torch.zeros(len(compute), dtype=torch.float64) for _ in range(REPLICAS)]
-    dist.all_gather(parts, torch.as_tensor(compute, dtype=torch.float64))
-    return torch.stack(parts, dim=1).numpy()
-
-
 def summarise(job: dict, name: str, schedule: np.ndarray, epochs: list[dict], cost, atoms, edges):
     """The row of one schedule [steps, R] (medians over its ``epochs``)."""
-    measured = [gather(epoch["compute"]) for epoch in epochs]  # each [steps, R]
+    measured = [epoch["compute"] for epoch in epochs]  # each [steps, R]
     costs = balance.step_costs(schedule, cost.predict(atoms, edges))  # [steps, R]
     real = schedule >= 0
     fit = balance.r_squared(
@@ -147,17 +142,13 @@ def summarise(job: dict, name: str, schedule: np.ndarray, epochs: list[dict], co
 def run(
     store: str | Path = common.QM9_STORE, sample: int = 4000, water_clusters: int = 600,
     water_sizes: tuple[int, int] = (3, 30), batch: int = 32, epochs: int = 3,
-    size: ModelConfig | None = None,
+    size: ModelConfig = common.PAPER_SIZE,
 ) -> dict:  # fmt: skip
-    """QM9 (a fixed random sample) and synthetic water, dynamic batches and packs."""
-    size = size or ModelConfig()
     with common.qm9_and_water(store, sample, water_clusters, water_sizes) as datasets:
-        jobs = [
-            {"dataset": name, "store": str(path), "index": index, "batching": batching,
-             "batch": batch}
-            for name, (path, index) in datasets.items() for batching in ("dynamic", "packs")
-        ]  # fmt: skip
-        with Replicas(REPLICAS, time_jobs, jobs, size, epochs) as group:
+        jobs = [{"dataset": name, "store": str(path), "index": index, "batching": batching}
+                for name, (path, index) in datasets.items()
+                for batching in ("dynamic", "packs")]  # fmt: skip
+        with Replicas(REPLICAS, time_jobs, jobs, batch, size, epochs) as group:
             results = group.facts[0]
     ratios = {
         f"{rr['dataset']}_{rr['batching']}_epoch_speedup": rr["epoch_s"] / cost["epoch_s"]

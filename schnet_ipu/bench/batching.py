@@ -63,12 +63,6 @@ def collate_groups(
             .collate([index[p] for p in packs]) for packs, layout in groups]  # fmt: skip
 
 
-def shape_of(layout: Layout) -> tuple[int, int, int]:
-    """Atoms, directed edges and molecule slots of a batch of ``layout``."""
-    b = layout.packs_per_batch
-    return b * layout.max_nodes, b * layout.max_edges, b * layout.max_graphs
-
-
 def bench_dataset(
     name: str, store: MoleculeStore, index: np.ndarray, size: ModelConfig,
     batch_sizes: tuple[int, ...], max_shapes: int, repeats: int,
@@ -82,11 +76,11 @@ def bench_dataset(
     for batch, algorithm in itertools.product(batch_sizes, (*PACKERS, *BASELINES)):
         batches, node_eff, edge_eff = epoch_batches(algorithm, nodes, edges, batch, size.cutoff)
         label = f"{name}/{algorithm}/{batch}"
-        shapes[label] = Counter(shape_of(layout) for _, layout in batches)
+        shapes[label] = Counter(layout for _, layout in batches)  # a layout is a batch shape
         rows.append({"label": label, "dataset": name, "algorithm": algorithm, "batch": batch,
                      "node_efficiency": node_eff, "edge_efficiency": edge_eff,
                      "distinct_shapes": len(shapes[label]), "batches": len(batches)})  # fmt: skip
-        first = {shape_of(layout): (packs, layout) for packs, layout in reversed(batches)}
+        first = {layout: (packs, layout) for packs, layout in reversed(batches)}
         for shape, _ in shapes[label].most_common(max_shapes):  # its first batch of the shape
             probes[label, shape] = first[shape]
     batches = collate_groups(store, index, list(probes.values()))
@@ -108,11 +102,9 @@ def bench_dataset(
 
 def run(
     store: str | Path = common.QM9_STORE, sample: int = 5000, water_clusters: int = 300,
-    water_sizes: tuple[int, int] = (3, 20), size: ModelConfig | None = None,
+    water_sizes: tuple[int, int] = (3, 20), size: ModelConfig = common.PAPER_SIZE,
     batch_sizes: tuple[int, ...] = (16, 32, 64), max_shapes: int = 6, repeats: int = 3,
 ) -> dict:  # fmt: skip
-    """QM9 (a fixed random sample) and a temporary synthetic water store, side by side."""
-    size = size or ModelConfig()
     results = []
     with common.qm9_and_water(store, sample, water_clusters, water_sizes) as datasets:
         for name, (path, index) in datasets.items():

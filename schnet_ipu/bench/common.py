@@ -1,6 +1,5 @@
-"""The one harness of the benchmark suites: configs, the interleaved timer, machine facts and
-the report writer. A suite returns ``{"suite", "machine", "commit", "results", "ratios",
-"notes"}`` (:func:`new_report`); :func:`write_report` writes its JSON, markdown and PNG."""
+"""The suites' one harness: configs, the interleaved timer, machine facts and the report
+(:func:`new_report`), which :func:`write_report` writes as JSON, markdown and PNG."""
 
 from __future__ import annotations
 
@@ -11,13 +10,13 @@ import json
 import math
 import os
 import platform
-import statistics
 import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 import numpy as np
@@ -34,6 +33,8 @@ from schnet_ipu.pipeline import PreparedData, make_loader, prepare_data
 QM9_STORE = "data/qm9.h5"
 ROOT = Path(__file__).resolve().parents[2]
 PAPER_CONFIG = ROOT / "configs/qm9.yaml"
+PAPER_SIZE = ModelConfig()  # the paper's SchNet: 100/100/4/25, cutoff 6 A, k = 24
+FORCE_CONFIG = ROOT / "configs/emt_forces.yaml"
 
 
 @dataclass
@@ -52,8 +53,8 @@ class Rate:
     molecules_per_s: float
     step_seconds: float
     molecules_per_step: float
-    repeats: list[float] = field(default_factory=list)
-    seconds: list[float] = field(default_factory=list)
+    repeats: list[float]
+    seconds: list[float]
 
 
 def measure_side_by_side(steps: dict[str, Callable[[], int]], timing: Timing) -> dict[str, Rate]:
@@ -69,16 +70,13 @@ def measure_side_by_side(steps: dict[str, Callable[[], int]], timing: Timing) ->
             for _ in range(timing.steps):
                 count += step()
             windows[name].append((time.perf_counter() - start, count))
-    return {
-        name: Rate(
-            statistics.median(count / seconds for seconds, count in w),
-            statistics.median(seconds / timing.steps for seconds, _ in w),
-            statistics.median(count / timing.steps for _, count in w),
-            [count / seconds for seconds, count in w],
-            [seconds / timing.steps for seconds, _ in w],
-        )
-        for name, w in windows.items()
-    }
+    rates = {}
+    for name, rounds in windows.items():
+        per_s = [count / seconds for seconds, count in rounds]
+        per_call = [seconds / timing.steps for seconds, _ in rounds]
+        per_step = median(count / timing.steps for _, count in rounds)
+        rates[name] = Rate(median(per_s), median(per_call), per_step, per_s, per_call)
+    return rates
 
 
 def ratio(a: float, b: float) -> float | None:
@@ -110,8 +108,7 @@ def our_trainer(
     store: str | Path, sample: int, size: ModelConfig, overrides: list[str],
     batch_molecules: float, replicas: int = 1,
 ) -> tuple[Config, PreparedData, PackedLoader, Any]:  # fmt: skip
-    """Our trainer of ``size`` on a fixed ``sample`` of the store: config, data, loader, backend
-    (``replicas`` > 1: this process joins their group, training its share of the batch)."""
+    """Config, data, loader and backend of ``size`` on a fixed ``sample``, one of ``replicas``."""
     cfg = Config(model=replace(size))  # the model under test; overrides pick its graph
     for item in [f"data.path={store}", f"data.subset={round(sample / 0.9)}", "data.val=0.05",
                  "data.test=0.05", "optim.grad_clip=0", "backend.device=cpu",
@@ -183,14 +180,10 @@ def machine() -> dict[str, Any]:
 
 def commit() -> str | None:
     """The git sha of the checkout, with ``-dirty`` when it has uncommitted changes."""
-
-    def git(*args: str) -> str:
-        command = ["git", "-C", str(ROOT), *args]
-        return subprocess.check_output(command, text=True, stderr=subprocess.DEVNULL).strip()
-
+    describe = ["describe", "--always", "--abbrev=40", "--exclude=*", "--dirty"]  # no tag names
     try:
-        dirty = git("status", "--porcelain", "--untracked-files=no")
-        return git("rev-parse", "HEAD") + ("-dirty" if dirty else "")
+        command = ["git", "-C", str(ROOT), *describe]
+        return subprocess.check_output(command, text=True, stderr=subprocess.DEVNULL).strip()
     except (OSError, subprocess.CalledProcessError):
         return None
 
@@ -238,6 +231,7 @@ def figure(path: Path, panels: int, figsize: tuple[float, float]) -> Iterator[np
     fig, axes = plt.subplots(1, panels, figsize=figsize)
     yield np.atleast_1d(axes)
     fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
@@ -254,7 +248,6 @@ def bar_plot(report: dict, label: str, value: str, ylabel: str, path: Path) -> N
 
 def curve_plot(rows: list[dict], ylabels: list[str], out_dir: str | Path, name: str) -> None:
     """Each row's ``curve`` of (seconds, value, ...): a log-scale panel per value, in minutes."""
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
     with figure(Path(out_dir) / name, len(ylabels), (5.5 * len(ylabels) + 1.5, 4)) as axes:
         for row in rows:
             seconds, *values = (np.array(c) for c in zip(*row["curve"]))
@@ -270,16 +263,12 @@ def write_report(
     json_path: str | Path | None = None,
 ) -> None:  # fmt: skip
     """Print the table and write ``<suite>.json``/``.md``/``.png`` (and ``json_path``)."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    text, suite = to_markdown(report, columns), report["suite"]
+    out_dir, suite, text = Path(out_dir), report["suite"], to_markdown(report, columns)
     print(text)
     # strict JSON: NaN and infinities read back as None (null)
     strict = json.loads(json.dumps(report, default=str), parse_constant=lambda _: None)
-    payload = json.dumps(strict, indent=2)
-    (out_dir / f"{suite}.json").write_text(payload)
+    for path in [out_dir / f"{suite}.json", *([Path(json_path)] if json_path else [])]:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(strict, indent=2))
     (out_dir / f"{suite}.md").write_text(text)
     bar_plot(report, *plot, out_dir / f"{suite}.png")
-    if json_path is not None:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(payload)

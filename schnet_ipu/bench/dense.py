@@ -26,9 +26,7 @@ QUICK = {"sample": 600, "water_clusters": 150, "water_sizes": (3, 10),
 
 def variant(store: str, sample: int, size: ModelConfig, overrides: list[str], batch: int):
     """Row facts, the training step and the pair efficiencies of one configuration."""
-    cfg, data, loader, backend = common.our_trainer(
-        store, sample, size, [*overrides, "loader.workers=0"], batch
-    )
+    cfg, data, loader, backend = common.our_trainer(store, sample, size, overrides, batch)
     for index in data.split["train"].tolist():  # in memory before timing
         data.store.molecule(index)
     first = next(iter(loader.epoch(0)))[0]
@@ -53,19 +51,16 @@ def variant(store: str, sample: int, size: ModelConfig, overrides: list[str], ba
 def run(
     store: str | Path = common.QM9_STORE, sample: int = 2000, water_clusters: int = 400,
     water_sizes: tuple[int, int] = (3, 20), batch_molecules: int = 32,
-    size: ModelConfig | None = None, timing: common.Timing | None = None,
+    size: ModelConfig = common.PAPER_SIZE, timing: common.Timing | None = None,
 ) -> dict:  # fmt: skip
-    """Every data set (QM9 sample, temporary water store), graph and layout side by side."""
-    size = size or ModelConfig()
     timing = timing or common.Timing(warmup=2, steps=6, repeats=3)
     rows, steps = [], {}
     with common.qm9_and_water(store, sample, water_clusters, water_sizes) as datasets:
-        # data set -> (training sample, overrides)
         setups = {"qm9": (sample, []), "water": (int(0.9 * water_clusters) - 1, WATER)}
         for dataset, graph, layout in itertools.product(setups, GRAPHS, ("sparse", "dense")):
             count, extra = setups[dataset]
             overrides = [*extra, f"model.graph={graph}", f"packing.algorithm={GRAPHS[graph]}",
-                         f"model.message_passing={layout}"]  # fmt: skip
+                         f"model.message_passing={layout}", "loader.workers=0"]  # fmt: skip
             label, path = f"{dataset}/{graph}/{layout}", str(datasets[dataset][0])
             row, steps[label] = variant(path, count, size, overrides, batch_molecules)
             row.update(dataset=dataset, graph=graph, message_passing=layout, label=label)

@@ -1,11 +1,7 @@
-"""Step time of force training against energy-only training, side by side.
-
-    python -m schnet_ipu.bench force_step [--config configs/emt_forces.yaml] [--set key=value]
-    python -m schnet_ipu.bench force_step --device cuda   # plus the Triton flavour's variants
-    python -m schnet_ipu.bench force_step --variant forces_table   # that one and energy
-
-Every ``VARIANTS`` entry's trainer on the same batches, interleaved (on CUDA inside its CUDA
-graph). Measured (``forces-step-cpu``, one thread): forces with the table over exact
+"""Step time of force training against energy-only training, side by side: every
+``VARIANTS`` entry's trainer on the same batches, interleaved (on CUDA inside its CUDA graph;
+``--device cuda`` adds the Triton flavour's variants, ``--variant NAME`` times that one beside
+``energy``). Measured (``forces-step-cpu``, one thread): forces with the table over exact
 0.66-0.71 on the EMT clusters (K = 128), 0.436 on the xTB molecules."""
 
 from __future__ import annotations
@@ -25,7 +21,6 @@ from schnet_ipu.config import load_config
 from schnet_ipu.errors import UserError
 from schnet_ipu.pipeline import make_loader, prepare_data
 
-DEFAULT_CONFIG = common.ROOT / "configs/emt_forces.yaml"
 # name -> (forces_weight, op flavour, model.filter, backend.compile); force steps are not
 # compiled (AOTAutograd refuses a double backward)
 VARIANTS = {
@@ -47,15 +42,13 @@ QUICK = {"rounds": 3, "steps": 3}
 
 
 def run(
-    config: str | Path = DEFAULT_CONFIG, overrides: list[str] = (), rounds: int = 5, steps: int = 5,
-    device: str = "cpu", variants: list[str] | None = None,
+    config: str | Path = common.FORCE_CONFIG, overrides: list[str] = (), rounds: int = 5,
+    steps: int = 5, device: str = "cpu", variants: list[str] | None = None,
 ) -> dict:  # fmt: skip
-    """Every variant (``variants``: those and ``energy``) on ``config``'s first ``steps`` host
-    calls, ``rounds`` rounds, on ``device`` (the Triton variants on CUDA only)."""
-    unknown = sorted(set(variants or ()) - set(VARIANTS))
+    """Every variant (``variants``: those and ``energy``; Triton's on CUDA only), interleaved."""
+    unknown = ", ".join(sorted(set(variants or ()) - set(VARIANTS)))
     if unknown:
-        names = ", ".join(VARIANTS)
-        raise UserError(f"bench force_step: no variant {', '.join(unknown)} (one of {names})")
+        raise UserError(f"bench force_step: no variant {unknown} (one of {', '.join(VARIANTS)})")
     cuda = device.startswith("cuda")
     cfg = load_config(config, [*overrides, "loader.workers=0", f"backend.device={device}"])
     if cfg.backend.threads:

@@ -1,14 +1,9 @@
-"""Force fields at equal wall time: our trainer against schnetpack 2.1.1's SchNet.
-
-    python -m schnet_ipu.bench forces [--config configs/emt_forces.yaml] [--minutes 1.5]
-        [--set section.key=value ...] [--variant "NAME: key=value key=value" ...]
-        [--parallel 2] [--out-dir DIR]
-
-On a force config's frames and split, same model size: ours (the config under
-``optim.max_minutes=M``), schnetpack's stock MD17-style recipe (:mod:`.schnetpack_side`) and
-``--variant`` rows of ours; sides are processes, ``--parallel`` at a time, one thread each.
-Measured (configs as they are): our force MAE 0.21x / 0.14x / 0.22x schnetpack's on EMT
-clusters at 1.5 / 5 / 15 minutes, 0.47x / 0.43x / 0.46x on the 10,000 xTB frames."""
+"""Force fields at equal wall time: our trainer against schnetpack 2.1.1's SchNet on a force
+config's frames and split, same model size: ours (the config under ``optim.max_minutes=M``),
+schnetpack's stock MD17-style recipe (:mod:`.schnetpack_side`) and ``--variant`` rows of ours;
+sides are processes, ``--parallel`` at a time, one thread each. Measured (configs as they
+are): our force MAE 0.21x / 0.14x / 0.22x schnetpack's on EMT clusters at 1.5 / 5 / 15
+minutes, 0.47x / 0.43x / 0.46x on the 10,000 xTB frames."""
 
 from __future__ import annotations
 
@@ -27,7 +22,6 @@ from schnet_ipu.config import Config, load_config
 from schnet_ipu.errors import UserError
 from schnet_ipu.pipeline import PreparedData, prepare_data
 
-DEFAULT_CONFIG = common.ROOT / "configs/emt_forces.yaml"
 COLUMNS = ["name", "minutes", "structures_per_s", "test_energy_mae_meV_per_atom",
            "test_energy_mae_eV", "test_force_mae", "structures_seen", "epochs",
            "load_1min"]  # fmt: skip
@@ -77,34 +71,31 @@ def with_units(row: dict, minutes: float) -> dict:
 
 
 def run(
-    minutes: float = 1.5, config: str | Path = DEFAULT_CONFIG,
-    overrides: list[str] | None = None, variants: list[str] | None = None, parallel: int = 2,
+    minutes: float = 1.5, config: str | Path = common.FORCE_CONFIG,
+    overrides: list[str] = (), variants: list[str] | None = None, parallel: int = 2,
     out_dir: str | Path = "bench_results",
 ) -> dict:  # fmt: skip
-    """Both sides for ``minutes`` on ``config``'s frames (the config names the data)."""
     if importlib.util.find_spec("schnetpack") is None:
         raise UserError("bench forces needs schnetpack 2.1.1, a bench-only extra: "
                         "pip install -e .[bench] (see pyproject.toml)")  # fmt: skip
-    overrides = list(overrides or [])
     cfg = force_config(config, overrides)
     data = prepare_data(cfg)  # the store and its split, before the sides read them
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp)
+    with tempfile.TemporaryDirectory() as folder:
         from schnet_ipu.bench.schnetpack_side import train_schnetpack, write_database
 
-        database, split = folder / "db.db", folder / "split.npz"
+        database, split = Path(folder, "db.db"), Path(folder, "split.npz")
         write_database(store_frames(data, cfg.data.target), data.dressed_atoms, database)
         write_split(data, split)
         sides = [  # each side's row, each in a fresh process
             functools.partial(train_schnetpack, cfg.model, database, split, minutes),
-            functools.partial(train_ours, cfg, minutes, folder / "ours"),
+            functools.partial(train_ours, cfg, minutes, Path(folder, "ours")),
         ]
         for k, text in enumerate(variants or []):  # "NAME: key=value key=value"
             name, sep, extra = text.partition(":")
             if not sep or not name.strip():
                 raise UserError(f"--variant {text!r} must look like 'NAME: section.key=value ...'")
             variant = force_config(config, [*overrides, *extra.split()])
-            run_dir, label = folder / f"variant{k}", f"ours: {name.strip()}"
+            run_dir, label = Path(folder, f"variant{k}"), f"ours: {name.strip()}"
             sides.append(functools.partial(train_ours, variant, minutes, run_dir, label))
         rows = []
         for start in range(0, len(sides), parallel):  # fresh spawned processes, a wave at a time

@@ -1,12 +1,8 @@
-"""Full QM9 training epochs on one GPU: ours (each precision, eager and a CUDA graph per
-step, and the tf32 step ``VARIANTS``) against stock PyG SchNet, side by side in one process.
-
-    python -m schnet_ipu.bench gpu --json docs/benchmarks/gpu-h100.json --profile
-    python -m schnet_ipu.bench gpu --device cpu --subset 300 --quick   # a smoke run on a CPU
-
-Measured (H200, ``gpu-h200-2048-compiled-8x8``): tf32, compiled, table filter, CUDA graph,
-~2,015 molecules per step: 0.277 s per full epoch, 8.6x stock PyG at batch 2048 in the same
-run. ``--profile``: the top kernels per step."""
+"""Full QM9 training epochs on one GPU: ours (each precision, eager and a CUDA graph per step,
+and the tf32 step ``VARIANTS``) against stock PyG SchNet, side by side in one process. Measured
+(H200, ``gpu-h200-2048-compiled-8x8``): tf32, compiled, table filter, CUDA graph, ~2,015
+molecules per step: 0.277 s per full epoch, 8.6x stock PyG at batch 2048 in the same run.
+``--profile``: the top kernels per step; ``--device cpu --subset 300 --quick``: a CPU smoke run."""
 
 from __future__ import annotations
 
@@ -23,15 +19,13 @@ import torch
 from schnet_ipu import components
 from schnet_ipu.backends import ReplicaInfo
 from schnet_ipu.bench import common, pyg
-from schnet_ipu.config import Config, ConfigError, load_config
+from schnet_ipu.config import Config, load_config
 from schnet_ipu.evaluation import evaluate
 from schnet_ipu.loader import PackedLoader
 from schnet_ipu.pipeline import PreparedData, make_loader, prepare_data
 
-PYG = pyg.NAME
 PRECISIONS = ("fp32", "tf32", "bf16")
 VARIANT_PRECISION = "tf32"
-# name -> config overrides
 VARIANTS = {"compiled": ["backend.compile=true"], "fused": ["model.ops=triton"],
             "table": ["model.ops=triton", "model.filter=table"],
             "compiled fused": ["backend.compile=true", "model.ops=triton"],
@@ -126,20 +120,17 @@ def time_rounds(epochs: dict[str, Epoch], rounds: int, device: str) -> list[dict
 
 
 def run(
-    store: str | Path = common.QM9_STORE, device: str = "cuda", subset: int = 0,
-    rounds: int = 3, pyg_batches: tuple[int, ...] = (32, 128, 512),
-    precisions: tuple[str, ...] = PRECISIONS, overrides: list[str] = (),
-    molecules_per_step: int = 32, variants: tuple[str, ...] = tuple(VARIANTS),
-    profile: bool = False,
+    store: str | Path = common.QM9_STORE, device: str = "cuda", subset: int = 0, rounds: int = 3,
+    pyg_batches: tuple[int, ...] = (32, 128, 512), precisions: tuple[str, ...] = PRECISIONS,
+    overrides: list[str] = (), molecules_per_step: int = 32,
+    variants: tuple[str, ...] = tuple(VARIANTS), profile: bool = False,
 ) -> dict:  # fmt: skip
-    """Every variant side by side (CUDA graphs and Triton only on CUDA), PyG at each batch."""
     cuda = device.startswith("cuda")
     data = prepare_data(paper_config(store, device, subset, list(overrides)))
     packs = f"packing.packs_per_batch={common.packs_for(data, molecules_per_step)}"
     setups, skipped = {}, []  # name -> (precision, CUDA graphs, overrides)
     for precision, graphs in itertools.product(precisions, (False, True) if cuda else (False,)):
-        mode = " cuda graph" if graphs else " eager"
-        setups[f"ours {precision}{mode}"] = (precision, graphs, [])
+        setups[f"ours {precision} {'cuda graph' if graphs else 'eager'}"] = (precision, graphs, [])
     for variant in variants:
         name = f"ours {VARIANT_PRECISION} {variant}" + (" cuda graph" if cuda else "")
         if variant in CUDA_ONLY and not cuda:
@@ -149,30 +140,25 @@ def run(
     cfg = paper_config(store, device, subset, [*overrides, packs])
     loader = make_loader(cfg, data, "train", pin_memory=cuda, device=device)
     first_call = next(iter(loader.epoch(0)))
-    configs: dict[str, Config] = {}
-    epochs, backends = {}, {}
+    epochs, trained = {}, {}  # trained: name -> (config, backend) of each of ours
     for name, (precision, graphs, extra) in setups.items():
         setting = [packs, f"backend.precision={precision}", f"backend.cuda_graphs={graphs}".lower()]
-        try:
+        try:  # a variant that cannot be configured, built or take a step is reported, and skipped
             variant = paper_config(store, device, subset, [*overrides, *setting, *extra])
-        except ConfigError as error:  # e.g. a config without the tabulated filter
-            skipped.append(f"{name}: {error}")
-            continue
-        epoch, backend = ours(variant, data, loader, device)
-        try:  # a variant that cannot take a step is reported, and the others still run
+            epoch, backend = ours(variant, data, loader, device)
             backend.train_call(first_call)
-        except Exception as error:  # any failure of that first step
-            skipped.append(f"{name}: its first step failed: {type(error).__name__}: {error}")
+        except Exception as error:  # e.g. a config without the tabulated filter
+            skipped.append(f"{name}: {type(error).__name__}: {error}")
             continue
-        configs[name], epochs[name], backends[name] = variant, epoch, backend
+        epochs[name], trained[name] = epoch, (variant, backend)
     items = pyg.items(data)
     for batch_size in sorted({*pyg_batches, molecules_per_step}):
-        epochs[f"{PYG} batch {batch_size}"] = stock_pyg(data, cfg, batch_size, device, items)
+        epochs[f"{pyg.NAME} batch {batch_size}"] = stock_pyg(data, cfg, batch_size, device, items)
     rows = time_rounds(epochs, rounds, device)
-    profiles = {n: profile_steps(b, loader, device) for n, b in backends.items() if profile}
+    profiles = {n: profile_steps(b, loader, device) for n, (_, b) in trained.items() if profile}
     for row in rows:
-        if row["name"] in backends:
-            backend, variant = backends[row["name"]], configs[row["name"]]
+        if row["name"] in trained:
+            variant, backend = trained[row["name"]]
             val_loader = make_loader(variant, data, "val")
             val = evaluate(components.make_task(variant, data), backend, val_loader, "val")
             row.update(precision=variant.backend.precision,
@@ -182,12 +168,12 @@ def run(
                        recompilations=backend.recompilations, val_mae=val["mae"])  # fmt: skip
     seconds = {row["name"]: row["epoch_seconds"] for row in rows}
     best_ours = min((n for n in seconds if n.startswith("ours")), key=seconds.get)
-    best_pyg = min((n for n in seconds if n.startswith(PYG)), key=seconds.get)
+    best_pyg = min((n for n in seconds if n.startswith(pyg.NAME)), key=seconds.get)
     for row in rows:
         row["ratio_vs_pyg_best"] = common.ratio(seconds[best_pyg], row["epoch_seconds"])
     ratios = {"best_ours": best_ours, "best_pyg": best_pyg,
               "ratio_vs_pyg_best": common.ratio(seconds[best_pyg], seconds[best_ours]),
-              "ratio_vs_pyg_batch_32": common.ratio(seconds.get(f"{PYG} batch 32", math.nan),
+              "ratio_vs_pyg_batch_32": common.ratio(seconds.get(f"{pyg.NAME} batch 32", math.nan),
                                                     seconds[best_ours])}  # fmt: skip
     plan = data.train_plan
     subset_note = f" (a {subset}-molecule subset: NOT a full-epoch figure)" if subset else ""
@@ -207,8 +193,6 @@ def run(
         "graph_recaptures: CUDA-graph captures after the first.",
         *(f"Skipped {line}" for line in skipped),
     ]
-    if not cuda:
-        notes.insert(3, f"Run on {device}: CUDA-graph variants skipped; no GPU memory figures.")
     device_facts = {"name": torch.cuda.get_device_name(device) if cuda else "cpu (not a GPU run)",
                     "torch": torch.__version__, "cuda": torch.version.cuda,
                     "cudnn": torch.backends.cudnn.version() if cuda else None}  # fmt: skip

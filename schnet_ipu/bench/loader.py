@@ -36,7 +36,6 @@ QUICK = {"extra": ("data.subset=20000", "data.val=1000", "data.test=1000"), "wor
 
 
 def rss_mb() -> float:
-    """Resident memory of this process now, MB."""
     pages = int(Path("/proc/self/statm").read_text().split()[1])
     return pages * resource.getpagesize() / 2**20
 
@@ -103,8 +102,7 @@ def run(
     device = "cuda" if torch.cuda.is_available() else "cpu"
     MoleculeStore(store)  # a bad store is refused under its own name, not the copy's
     with tempfile.TemporaryDirectory() as fresh:
-        copy = Path(fresh) / Path(store).name  # no pairs file yet: cold builds it
-        shutil.copy(store, copy)
+        copy = shutil.copy(store, fresh)  # no pairs file beside it yet: cold builds it
         base = [f"data.path={copy}", "backend.device=cpu", "backend.replicas=1"]
         cfg = load_config(CONFIG, [*base, *extra])
         data = prepare_data(cfg)

@@ -4,19 +4,16 @@ torch-cluster) and their lengths from ``pos`` (timed); our knn search is timed, 
 favours PyG. Measured (``model-cpu-quick``): ours radius pair-symmetric 1.65x PyG, with the
 tabulated filter 4.90x; knn 0.47x, with the table 2.54x."""
 
-from __future__ import annotations
-
 import numpy as np
 import torch
 
 from schnet_ipu.batch_layout import Layout
 from schnet_ipu.bench import common, pyg
 from schnet_ipu.bench.batching import collate_groups
-from schnet_ipu.config import ModelConfig
 from schnet_ipu.data import MoleculeStore, edge_counts
 from schnet_ipu.packing import assign_packs, plan_packing
 
-SIZE = ModelConfig()  # the paper's: 100/100/4/25, cutoff 6 A, k = 24
+SIZE = common.PAPER_SIZE
 # graph -> (pair_symmetric, filter) of our variants
 SETTINGS = {"knn": [(True, "exact"), (True, "table")],
             "radius": [(True, "exact"), (False, "exact"), (True, "table")]}  # fmt: skip
@@ -33,13 +30,11 @@ def one_batch(store: MoleculeStore, index: np.ndarray, algorithm: str, layout: d
     edges = edge_counts(store, SIZE.cutoff)[index] if algorithm == "tuple" else None
     plan = plan_packing(nodes, edges, algorithm, **layout)
     packs = assign_packs(plan, nodes, edges, seed=0, epoch=0)
-    radius = (plan.max_edges, SIZE.cutoff) if algorithm == "tuple" else ()
-    shape = Layout(len(packs), plan.max_nodes, plan.max_graphs, *radius)
+    shape = Layout.from_plan(plan, len(packs), SIZE.cutoff if algorithm == "tuple" else None)
     return collate_groups(store, index, [(packs, shape)])[0], packs, plan
 
 
 def run(store: str, molecules: int = 512, repeats: int = 5) -> dict:
-    """Every variant in interleaved rounds."""
     qm9 = MoleculeStore(store)
     index = np.sort(np.random.default_rng(0).choice(len(qm9), molecules, replace=False))
     knn = one_batch(qm9, index, "lpfhp", KNN_PACKS)

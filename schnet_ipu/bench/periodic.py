@@ -1,8 +1,7 @@
 """Periodic systems: ``frames`` strained, rattled 32-atom fcc Cu cells, their pairs file built
 at 5 A and their first ``compare`` frames listed by vesin, ASE and matscipy (if installed);
-energy + force steps on those frames with and without shifts and cells. Measured
-(``periodic-cpu``): vesin 2.1x faster than matscipy, 55x than ASE; a periodic step 1.00x a
-molecular one."""
+energy + force steps on them with and without shifts and cells. Measured (``periodic-cpu``):
+vesin 2.1x faster than matscipy, 55x than ASE; a periodic step 1.00x a molecular one."""
 
 from __future__ import annotations
 
@@ -116,20 +115,17 @@ def run(frames: int = 100_000, compare: int = 300, steps: int = 20, trained: int
         pairs = build_periodic_pairs(store, CUTOFF)
         facts["pairs_file_build_s"] = time.perf_counter() - start
         facts["pairs_per_frame"] = float(pairs.counts.mean())
-        per_frame = neighbour_lists(pos[:compare], cells[:compare])
-        facts["full_list_s_per_frame"] = per_frame
+        per_frame = facts["full_list_s_per_frame"] = neighbour_lists(pos[:compare], cells[:compare])
         facts["full_list_s_extrapolated"] = {k: v * frames for k, v in per_frame.items()}
         facts["ratio_to_vesin"] = {k: v / per_frame["vesin"] for k, v in per_frame.items()}
         small = copper_store(Path(folder) / "small.h5", pos[:trained], cells[:trained], True)
         step_ms = step_times(small, steps)
-    facts["step_ms"] = step_ms
-    facts["periodic_over_molecular"] = step_ms["periodic"] / step_ms["molecular"]
+    ratios = {"periodic_over_molecular": step_ms["periodic"] / step_ms["molecular"]}
+    facts.update(step_ms=step_ms, **ratios)
     rows = [{"name": k, "full_list_s_per_frame": v, "ratio_to_vesin": facts["ratio_to_vesin"][k]}
             for k, v in per_frame.items()]  # fmt: skip
     rows += [{"name": f"{name} step", "step_ms": ms} for name, ms in step_ms.items()]
-    ratios = {"periodic_over_molecular": facts["periodic_over_molecular"]}
     notes = [f"{frames} frames of 32 fcc Cu atoms, cutoff {CUTOFF} A; full lists of the first "
              f"{compare} frames, 3 rounds; energy + force steps (SchNet 64/64/3, one thread): "
              f"{steps} per round, 5 rounds."]  # fmt: skip
-    # facts: the keys of docs/benchmarks/periodic-cpu.json
-    return common.new_report("periodic", rows, ratios, notes, **facts)
+    return common.new_report("periodic", rows, ratios, notes, **facts)  # periodic-cpu.json's keys

@@ -1,7 +1,6 @@
 """Stock PyG SchNet, the baseline of the throughput, model, loader, gpu and accuracy suites:
-``torch_geometric.nn.models.SchNet`` out of the box on its ``DataLoader`` over our store's
-molecules. Its default radius graph needs torch-cluster (not installed): it gets one in pure
-torch (:func:`schnet`'s, built inside the timed step as PyG's own would be)."""
+``torch_geometric.nn.models.SchNet`` on its ``DataLoader`` over our store's molecules, its
+radius graph (torch-cluster's, not installed) in pure torch inside the timed step."""
 
 from __future__ import annotations
 
@@ -38,8 +37,7 @@ def items(data: PreparedData, split: str = "train", limit: int | None = None) ->
 
 
 def schnet(size: ModelConfig, interaction_graph: Callable | None = None, **extra):
-    """PyG's SchNet of our size (``extra``: e.g. ``mean``), by default radius edges per molecule
-    in plain torch (``RADIUS_BUILDER``)."""
+    """PyG's SchNet of our size (``extra``: e.g. ``mean``), by default on ``RADIUS_BUILDER``."""
     from torch_geometric.nn.models import SchNet
 
     def radius_graph(pos: torch.Tensor, batch: torch.Tensor):
@@ -51,9 +49,7 @@ def schnet(size: ModelConfig, interaction_graph: Callable | None = None, **extra
 
 
 class Trainer:
-    """Stock PyG SchNet of our size (``extra``: e.g. ``mean``) on shuffled batches of
-    ``train_items`` (default: the training split), Adam 1e-3, with our standardised loss
-    (``scale``: by default the data's residual std)."""
+    """Stock PyG SchNet of our size, Adam 1e-3 and our standardised loss on shuffled batches."""
 
     def __init__(
         self, data: PreparedData, size: ModelConfig, batch_size: int = 32, device: str = "cpu",
@@ -74,8 +70,7 @@ class Trainer:
         batch = next(self.batches)
         self.optimizer.zero_grad(set_to_none=True)
         pred = self.model(batch.z, batch.pos, batch.batch).view(-1)
-        mask = torch.ones_like(batch.y, dtype=torch.bool)
-        masked_mse(pred, batch.y, mask, self.scale).backward()
+        masked_mse(pred, batch.y, torch.ones_like(batch.y, dtype=torch.bool), self.scale).backward()
         self.optimizer.step()
         return batch.num_graphs
 

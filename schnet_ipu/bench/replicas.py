@@ -1,7 +1,6 @@
 """The one replica runner: R spawned processes (a gloo group on CPU) that set up their variants
-once, then run one on request, all R in lockstep: a replicated variant is timed by the same
-interleaved timer as the in-process ones (the replicas wait idle on a pipe meanwhile), and a
-measurement inside the group (balance's epochs) is their setup, its rows their facts."""
+once, then run one on request in lockstep, timed by the interleaved timer like the in-process
+ones (idle on a pipe meanwhile); balance's measurement is the setup, its rows the facts."""
 
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ from schnet_ipu.backends.distributed import shutdown_replica, spawn_replicas
 Setup = Callable[..., "tuple[Any, dict[str, Callable[[], Any]]]"]
 
 
-class Replicas:
+class Replicas(contextlib.AbstractContextManager):
     """``count`` replicas running ``setup(rank, count, *args)``; ``facts``: each rank's facts."""
 
     def __init__(self, count: int, setup: Setup, *args: object) -> None:
@@ -25,29 +24,23 @@ class Replicas:
         self.context = spawn_replicas(_serve, count, [child for _, child in ends], setup, args)
         self.facts = [self._receive(conn) for conn in self.conns]  # every replica is ready
 
-    def call(self, name: str) -> list:
-        """Run ``name`` on every replica; their answers by rank."""
-        for conn in self.conns:
-            conn.send(name)
-        return [self._receive(conn) for conn in self.conns]
-
     def step(self, name: str) -> Callable[[], int]:
         """A timer step: ``name`` on every replica, the molecules they trained together."""
-        return lambda: sum(self.call(name))
 
-    def close(self) -> None:
+        def call() -> int:
+            for conn in self.conns:
+                conn.send(name)
+            return sum(self._receive(conn) for conn in self.conns)
+
+        return call
+
+    def __exit__(self, *exc: object) -> None:
         """Stop the replicas; re-raises a replica's error."""
         for conn in self.conns:
             with contextlib.suppress(OSError):  # a replica that is gone: join reports why
                 conn.send(None)
         while not self.context.join():
             pass
-
-    def __enter__(self) -> Replicas:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def _receive(self, conn):
         while not conn.poll(0.5):

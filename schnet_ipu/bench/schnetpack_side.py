@@ -21,33 +21,24 @@ import torch
 import torchmetrics
 from ase import Atoms
 
-SCHNETPACK_VERSION = "2.1.1"
+# torch 2.13's one shim for schnetpack: its data/loader.py imports the gone dataloader.T_co
+if not hasattr(torch.utils.data.dataloader, "T_co"):
+    torch.utils.data.dataloader.T_co = typing.TypeVar("T_co", covariant=True)
+import schnetpack as spk  # after the shim
+
 BATCH_SIZE = 10
 LEARNING_RATE = 5e-4
 LOSS_WEIGHTS = {"energy": 0.01, "forces": 0.99}
 # configs/task/scheduler/reduce_on_plateau.yaml, less schnetpack's smoothing_factor
 PLATEAU = {"mode": "min", "factor": 0.5, "patience": 75, "threshold": 0.0,
            "threshold_mode": "rel", "cooldown": 10, "min_lr": 0.0}  # fmt: skip
-ZMAX = 100  # length of schnetpack's atom-reference table (RemoveOffsets' zmax)
-
-
-def import_schnetpack():
-    """``schnetpack``, after torch 2.13's one shim: its data/loader.py imports a gone ``T_co``."""
-    import torch.utils.data.dataloader as dataloader
-
-    if not hasattr(dataloader, "T_co"):
-        dataloader.T_co = typing.TypeVar("T_co", covariant=True)
-    import schnetpack
-
-    return schnetpack
 
 
 def write_database(frames: dict, atomrefs: np.ndarray, path: Path) -> None:
     """The frames (:func:`.forces.store_frames`) as schnetpack's ASE db at ``path`` (eV, eV/A)."""
-    spk = import_schnetpack()
     dataset = spk.data.ASEAtomsData.create(
         str(path), distance_unit="Ang", property_unit_dict={"energy": "eV", "forces": "eV/Ang"},
-        atomrefs={"energy": atomrefs[:ZMAX].tolist()},
+        atomrefs={"energy": atomrefs[:100].tolist()},  # RemoveOffsets' table length (zmax)
     )  # fmt: skip
     columns = zip(frames["z"], frames["pos"], frames["cell"], frames["pbc"])
     atoms = [Atoms(numbers=z, positions=pos, cell=cell, pbc=pbc) for z, pos, cell, pbc in columns]
@@ -56,7 +47,7 @@ def write_database(frames: dict, atomrefs: np.ndarray, path: Path) -> None:
     dataset.add_systems(properties, atoms)
 
 
-def build_task(spk, model_cfg):
+def build_task(model_cfg):
     """schnetpack's SchNet force field of our model's size, and its AtomisticTask."""
     features = model_cfg.hidden_channels
     schnet = spk.representation.SchNet(
@@ -87,9 +78,8 @@ def build_task(spk, model_cfg):
     )  # fmt: skip
 
 
-def split_errors(spk, task, loader) -> dict[str, float]:
-    """Energy MAE (eV, eV/atom), force MAE and loss (as ``val_loss``) on ``loader``, compared
-    as ``AtomisticTask.test_step`` does (the model writes into the batch: targets first)."""
+def split_errors(task, loader) -> dict[str, float]:
+    """Energy MAE (eV, eV/atom), force MAE and loss as ``test_step`` has them (targets copied)."""
     sums = dict.fromkeys(("mae", "energy_mae_per_atom", "force_mae", "loss"), 0.0)
     structures, components = 0, 0
     task.eval()
@@ -114,12 +104,10 @@ def split_errors(spk, task, loader) -> dict[str, float]:
 
 
 def train_schnetpack(model_cfg, database: Path, split_file: Path, minutes: float) -> dict:
-    """Train for ``minutes`` (the module docstring's recipe) in this process, a child of the
-    suite's: a row with the validation curve."""
+    """Train for ``minutes`` by the module docstring's recipe (in a child): a row with its curve."""
     os.chdir(database.parent)  # its data module locks splitting.lock in "."
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    spk = import_schnetpack()
     transforms = [spk.transform.SubtractCenterOfMass(),
                   spk.transform.RemoveOffsets("energy", remove_mean=True, remove_atomrefs=True),
                   spk.transform.MatScipyNeighborList(cutoff=model_cfg.cutoff),
@@ -129,7 +117,7 @@ def train_schnetpack(model_cfg, database: Path, split_file: Path, minutes: float
                                     num_workers=0, pin_memory=False)  # fmt: skip
     data.prepare_data()
     data.setup()
-    task = build_task(spk, model_cfg)
+    task = build_task(model_cfg)
     recorder = Recorder()
     trainer = pl.Trainer(max_time={"seconds": 60.0 * minutes}, max_epochs=100000,
                          accelerator="cpu", devices=1, num_sanity_val_steps=0,
@@ -139,23 +127,22 @@ def train_schnetpack(model_cfg, database: Path, split_file: Path, minutes: float
     trainer.fit(task, datamodule=data)
     # Lightning stops at max_time mid-epoch without validating: the final weights are
     # validated here (outside the budget) and kept if they are the best
-    final = split_errors(spk, task, data.val_dataloader())
+    final = split_errors(task, data.val_dataloader())
     recorder.curve.append((recorder.seconds(), final["force_mae"], final["mae"]))
     if final["loss"] >= recorder.best_loss:
         task.load_state_dict(recorder.best_state)
-    test = split_errors(spk, task, data.test_dataloader())
+    test = split_errors(task, data.test_dataloader())
     seen, weights = recorder.structures, f"{LOSS_WEIGHTS['energy']}/{LOSS_WEIGHTS['forces']}"
     recipe = (f"batch {BATCH_SIZE}, AdamW {LEARNING_RATE}, loss weights {weights}, "
               f"plateau (patience {PLATEAU['patience']} epochs)")  # fmt: skip
-    return {"name": f"schnetpack {SCHNETPACK_VERSION}", **{f"test_{k}": v for k, v in test.items()},
+    return {"name": f"schnetpack {spk.__version__}", **{f"test_{k}": v for k, v in test.items()},
             "structures_per_s": seen / max(recorder.train_seconds, 1e-9), "structures_seen": seen,
             "epochs": seen / len(data.train_dataset), "seconds": recorder.seconds(),
             "curve": recorder.curve, "recipe": recipe}  # fmt: skip
 
 
 class Recorder(pl.Callback):
-    """Training structures and batch seconds (loading included, validation not), the curve of
-    validation errors and the best-validation weights."""
+    """Structures and seconds of training batches (loading in), validation curve, best weights."""
 
     def __init__(self) -> None:
         self.structures, self.train_seconds, self.best_loss = 0, 0.0, float("inf")

@@ -20,7 +20,6 @@ COMPILED = " compiled"  # name suffix of variants whose step runs through torch.
 TABLE = " filter=table"  # name suffix of variants with the tabulated filter (model.filter)
 FILTERS = {"exact": "", "table": TABLE}  # model.filter -> name suffix
 REPLICAS = 2  # processes of the replicated variants
-PYG = pyg.NAME
 COLUMNS = ["name", "molecules_per_s", "step_ms", "molecules_per_step", "replicas",
            "threads_per_replica", "atoms_per_step", "node_efficiency", "edge_efficiency",
            "graph"]  # fmt: skip
@@ -69,12 +68,11 @@ def variants(padded: tuple[str, ...], compile: bool) -> list[tuple]:
 
 
 def run(
-    store: str | Path = common.QM9_STORE, sample: int = 10000, size: ModelConfig | None = None,
-    timing: common.Timing | None = None, workers: int = 0, batch_molecules: int = 32,
-    padded: tuple[str, ...] = ("radius", "knn"), compile: bool = True,
+    store: str | Path = common.QM9_STORE, sample: int = 10000,
+    size: ModelConfig = common.PAPER_SIZE, timing: common.Timing | None = None, workers: int = 0,
+    batch_molecules: int = 32, padded: tuple[str, ...] = ("radius", "knn"), compile: bool = True,
 ) -> dict:  # fmt: skip
     """Every variant side by side (``compile``: ``torch.compile`` twins, PyG stays eager)."""
-    size = size or ModelConfig()
     timing = timing or common.Timing(warmup=5, steps=10, repeats=10)
     results: dict[str, dict] = {}
     steps: dict[str, Callable[[], int]] = {}
@@ -88,10 +86,10 @@ def run(
             continue
         row, data, steps[name] = ours(store, sample, size, setup, batch_molecules)
         results[name] = {"name": name, "graph": graph, "packing": packing, **row}
-    steps[PYG] = pyg.Trainer(data, size, batch_molecules).step
-    results[PYG] = {"name": PYG, "graph": f"radius ({pyg.RADIUS_BUILDER})",
-                    "packing": "PyG DataLoader", "workers": 0, "replicas": 1,
-                    "threads_per_replica": torch.get_num_threads()}  # fmt: skip
+    steps[pyg.NAME] = pyg.Trainer(data, size, batch_molecules).step
+    results[pyg.NAME] = {"name": pyg.NAME, "graph": f"radius ({pyg.RADIUS_BUILDER})",
+                         "packing": "PyG DataLoader", "workers": 0, "replicas": 1,
+                         "threads_per_replica": torch.get_num_threads()}  # fmt: skip
     with Replicas(REPLICAS, replica_setup, replicated) as group:
         for name in replicated:
             steps[name] = group.step(name)
@@ -128,10 +126,10 @@ def compare(results: dict[str, dict]) -> dict:
     same_graph = [n for n in padded_runs if results[n]["graph"] == results[single]["graph"]]
     reference = max(same_graph or padded_runs, key=rate.get)
     ratios = {"best_exact": max(exact, key=rate.get),
-              "best_exact_vs_pyg": common.ratio(max(rate[n] for n in exact), rate[PYG]),
+              "best_exact_vs_pyg": common.ratio(max(rate[n] for n in exact), rate[pyg.NAME]),
               "best_packed": best, "best_single_process": single,
               "padded_reference": reference}  # fmt: skip
-    pairs = {"packed_vs_pyg": (best, PYG), "single_process_vs_pyg": (single, PYG),
+    pairs = {"packed_vs_pyg": (best, pyg.NAME), "single_process_vs_pyg": (single, pyg.NAME),
              "packed_vs_padded": (single, reference)}  # fmt: skip
     ratios.update({key: common.ratio(rate[a], rate[b]) for key, (a, b) in pairs.items()})
     rounds = {name: row["repeats_molecules_per_s"] for name, row in results.items()}
@@ -139,7 +137,7 @@ def compare(results: dict[str, dict]) -> dict:
         ratios[f"{key}_per_round"] = [a / b for a, b in zip(rounds[mine], rounds[other])]
     for name in packed:
         key = name[len("packed ") :].replace("+", "_").replace(" ", "_")
-        ratios[f"{key}_vs_pyg"] = common.ratio(rate[name], rate[PYG])
+        ratios[f"{key}_vs_pyg"] = common.ratio(rate[name], rate[pyg.NAME])
         twin = name.replace("packed", "pad_to_max", 1).replace("+tuple", "").replace("+lpfhp", "")
         if twin in rate:
             ratios[f"{key}_vs_{twin.replace(' ', '_')}"] = common.ratio(rate[name], rate[twin])
