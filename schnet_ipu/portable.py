@@ -39,7 +39,7 @@ file reads the table in torch ops (same values): one ``embedding_bag`` per chunk
 (``CHUNK_BYTES``; the cubic's four rows weighted by powers of t, never gathered as
 [P, 4, F]). Elements the model never saw raise, by number.
 
-About 470 lines, one file: the whole exported model (blocks, both filter readings and the
+About 500 lines, one file: the whole exported model (blocks, both filter readings and the
 table's written-out backward, the three entry points), as PyG's ``schnet.py`` keeps its
 model in one file to read top down.
 """

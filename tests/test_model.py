@@ -1,4 +1,6 @@
-"""SchNet model: equivalence with PyG, stable softplus, padding inertness, gradients, knn."""
+"""SchNet model: equivalence with PyG, stable softplus, padding inertness, gradients, knn.
+Over 400 lines because each property is checked for both graphs (radius and knn) with the
+helpers that build their reference batches (PyG's model, brute-force edges, padded pairs)."""
 
 from __future__ import annotations
 
