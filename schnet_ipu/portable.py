@@ -439,8 +439,8 @@ class PortableSchNet(nn.Module):
             interval = torch.clamp(torch.floor(scaled), 0.0, self.filter_points - 2.0).long()
             t = scaled - interval
             powers = torch.stack([torch.ones_like(t), t, t * t, t * t * t], 1)  # [P, 4]
-            rows = (4 * interval).unsqueeze(1) + torch.arange(4)  # [P, 4]
-            slope_rows = (3 * interval).unsqueeze(1) + torch.arange(3)  # [P, 3]
+            rows = (4 * interval).unsqueeze(1) + torch.arange(4, device=vec.device)  # [P, 4]
+            slope_rows = (3 * interval).unsqueeze(1) + torch.arange(3, device=vec.device)
             h = self.embedding(z)
             kept: List[Tuple[Tensor, Tensor]] = []
             for interaction in self.interactions:
