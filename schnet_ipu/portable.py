@@ -331,8 +331,8 @@ class PortableSchNet(nn.Module):
                 for block, values, slopes in zip(blocks, *tables):
                     cubics = hermite_coefficients(values, slopes, module.cutoff)
                     block.coefficients = cubics
-                    powers = torch.tensor([1.0, 2.0, 3.0], dtype=cubics.dtype).view(1, 3, 1)
-                    block.slope_coefficients = cubics[:, 1:] * powers
+                    orders = torch.tensor([1.0, 2.0, 3.0], dtype=cubics.dtype).view(1, 3, 1)
+                    block.slope_coefficients = cubics[:, 1:] * orders
         module = module.to(dtype).eval().requires_grad_(False)  # inference: no weight gradients
         item_bytes = torch.finfo(dtype).bits // 8
         for block in module.interactions:  # an attribute: TorchScript reads no module globals
@@ -411,7 +411,6 @@ class PortableSchNet(nn.Module):
         vec = (pos.index_select(0, source) - pos.index_select(0, receiver) + offsets).detach()
         if self.filter_points > 0 and not self.fused:
             energy, grad = self.table_energy(z, vec, receiver, source, symmetric)
-            grad = grad.detach()  # TorchScript may mark no_grad results as requiring it
         else:
             vec.requires_grad_(True)  # [P, 3]: the one leaf of the backward
             energy = self.energy(z, vec, receiver, source, symmetric)
@@ -434,10 +433,7 @@ class PortableSchNet(nn.Module):
         backward walks the blocks in reverse, summing every edge's dE/dt."""
         with torch.no_grad():
             dist = vec.square().sum(-1).sqrt()  # [P]
-            scale = (self.filter_points - 1) / self.cutoff
-            scaled = dist * scale
-            interval = torch.clamp(torch.floor(scaled), 0.0, self.filter_points - 2.0).long()
-            t = scaled - interval
+            interval, t = self.grid_position(dist)
             powers = torch.stack([torch.ones_like(t), t, t * t, t * t * t], 1)  # [P, 4]
             rows = (4 * interval).unsqueeze(1) + torch.arange(4, device=vec.device)  # [P, 4]
             slope_rows = (3 * interval).unsqueeze(1) + torch.arange(3, device=vec.device)
@@ -464,8 +460,17 @@ class PortableSchNet(nn.Module):
                             grad_h, x, y, source, receiver, rows, slope_rows, powers, grad_t,
                             symmetric, number > 0,
                         )  # fmt: skip
-            grad = (grad_t * scale / dist).unsqueeze(1) * vec
+            dt_ddist = (self.filter_points - 1) / self.cutoff
+            grad = (grad_t * dt_ddist / dist).unsqueeze(1) * vec
         return energy, grad
+
+    def grid_position(self, dist: Tensor) -> Tuple[Tensor, Tensor]:
+        """Interval k [P] (int64) of the table's grid and position t [P] in it of edges of
+        length ``dist`` [P]: ``s = d (K - 1) / cutoff``, ``k = clamp(floor(s), 0, K - 2)``,
+        ``t = s - k`` (differentiable in dist)."""
+        scaled = dist * ((self.filter_points - 1) / self.cutoff)
+        interval = torch.clamp(torch.floor(scaled.detach()), 0.0, self.filter_points - 2.0)
+        return interval.long(), scaled - interval
 
     def energy(
         self, z: Tensor, vec: Tensor, receiver: Tensor, source: Tensor, symmetric: bool
@@ -474,10 +479,8 @@ class PortableSchNet(nn.Module):
         dist = vec.square().sum(-1).sqrt()
         empty = dist.new_zeros(0)
         if self.filter_points > 0:
-            scaled = dist * ((self.filter_points - 1) / self.cutoff)
-            interval = torch.clamp(torch.floor(scaled.detach()), 0.0, self.filter_points - 2.0)
-            t = scaled - interval
-            rbf, cut, interval_index = empty, empty, interval.long()
+            interval_index, t = self.grid_position(dist)
+            rbf, cut = empty, empty
         else:
             rbf = self.distance_expansion(dist)
             cut = 0.5 * (torch.cos(dist * (math.pi / self.cutoff)) + 1.0)
