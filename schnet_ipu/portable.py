@@ -176,7 +176,12 @@ class Interaction(nn.Module):
         for start in range(0, source.shape[0], self.edge_chunk):
             end = start + self.edge_chunk
             filt = cubic_rows(table, rows[start:end], powers[start:end])
-            message_add(summed, x, source[start:end], receiver[start:end], filt, symmetric)
+            j, i = source[start:end], receiver[start:end]
+            gathered = x.index_select(0, j).mul_(filt)
+            summed.index_add_(0, i, gathered)
+            if symmetric:
+                torch.index_select(x, 0, i, out=gathered)
+                summed.index_add_(0, j, gathered.mul_(filt))
         y = self.conv.lin2(summed)
         return self.lin(self.act(y)), x, y
 
@@ -201,18 +206,18 @@ class Interaction(nn.Module):
             end = start + self.edge_chunk
             i, j = receiver[start:end], source[start:end]
             g_i = grad_summed.index_select(0, i)
-            to_filter = g_i * x.index_select(0, j)  # dE/dW [chunk, F]
+            to_filter = x.index_select(0, j).mul_(g_i)  # dE/dW [chunk, F]
             g_j = g_i  # replaced where the pair carries both messages (TorchScript: bound)
             if symmetric:
                 g_j = grad_summed.index_select(0, j)
                 to_filter.addcmul_(g_j, x.index_select(0, i))
             slope = cubic_rows(slopes, slope_rows[start:end], powers[start:end, :3])
-            grad_t[start:end] += (to_filter * slope).sum(1)
+            grad_t[start:end] += to_filter.mul_(slope).sum(1)
             if input_grad:
                 filt = cubic_rows(table, rows[start:end], powers[start:end])
-                grad_x.index_add_(0, j, g_i * filt)
+                grad_x.index_add_(0, j, g_i.mul_(filt))
                 if symmetric:
-                    grad_x.index_add_(0, i, g_j * filt)
+                    grad_x.index_add_(0, i, g_j.mul_(filt))
         if input_grad:
             return grad_h + torch.mm(grad_x, self.conv.lin1.weight)
         return grad_h
