@@ -36,8 +36,9 @@ filter network: :mod:`schnet_ipu.model.filter_table`); one trained with ``exact`
 filter network per pair. In Python with numba (``fused=True``), the table convolution is
 the compiled loop of :mod:`schnet_ipu.model.ops.fused_table` under autograd; the exported
 file reads the table in torch ops (same values): one ``embedding_bag`` per chunk of edges
-(``CHUNK_BYTES``; the cubic's four rows weighted by powers of t, never gathered as
-[P, 4, F]). Elements the model never saw raise, by number.
+(``TABLE_CHUNK_BYTES``; the cubic's four rows weighted by powers of t, never gathered as
+[P, 4, F]), the chunk's gathered node rows written into one workspace per call and
+multiplied in place. Elements the model never saw raise, by number.
 
 About 500 lines, one file: the whole exported model (blocks, both filter readings and the
 table's written-out backward, the three entry points), as PyG's ``schnet.py`` keeps its
@@ -60,11 +61,17 @@ from schnet_ipu.model.ops import fused_table
 from schnet_ipu.model.schnet import EMBEDDING_ROWS
 from schnet_ipu.model_file import TrainedModel
 
-# Bytes of one [edges, F] tensor per pass of the torch-ops convolution: at ~0.4 MB they stay
-# in cache and in the allocator's free lists; larger ones are mapped and faulted in per op
-# (200-atom molecule, one thread, float32: 14 ms per call at 1,024 edges, 18 at 2,048,
-# 39 at 4,096; float64: 33 ms at 512 edges, 90 at 2,048)
+# Bytes of one [edges, F] tensor per pass of the exact filter's convolution (under autograd):
+# at ~0.4 MB they stay in cache and in the allocator's free lists; larger ones are mapped and
+# faulted in per op (200-atom molecule, one thread, float32: 14 ms per call at 1,024 edges,
+# 18 at 2,048, 39 at 4,096; float64: 33 ms at 512 edges, 90 at 2,048; 1.6 MB: 44 ms against
+# 40 on two threads)
 CHUNK_BYTES = 400_000
+# The same for the table's written-out forward and backward, whose gathered rows reuse one
+# workspace per call: there larger chunks pay, fewer ops per edge (float32, two threads, ms
+# per call at 0.4 / 1.6 / 3.2 MB: 200-atom molecule 10.3 / 7.7 / 9.2, 1,000 Cu 14.6 / 12.2 /
+# 13.1, 10,000 Cu 137 / 116 / 117)
+TABLE_CHUNK_BYTES = 1_600_000
 
 
 class ShiftedSoftplus(nn.Module):
@@ -164,21 +171,23 @@ class Interaction(nn.Module):
 
     def table_forward(
         self, h: Tensor, source: Tensor, receiver: Tensor, rows: Tensor, powers: Tensor,
-        symmetric: bool,
+        symmetric: bool, workspace: Tensor,
     ) -> Tuple[Tensor, Tensor, Tensor]:  # fmt: skip
         """The tabulated block without autograd: (update [N, H], x [N, F], y [N, H]), x and y
         kept for :meth:`table_backward`. rows [P, 4] = 4 interval + 0..3, powers [P, 4] =
         1, t, t^2, t^3: each edge's filter is one ``embedding_bag`` of the cubics' rows
-        (no [P, 4, F] gather)."""
+        (no [P, 4, F] gather). ``workspace`` [4, chunk, F]: the rows gathered per chunk of
+        edges land there (see :meth:`PortableSchNet.table_energy`)."""
         x = self.conv.lin1(h)
         summed = torch.zeros_like(x)
         table = self.coefficients.view(-1, self.coefficients.shape[2])  # [4 (K - 1), F]
-        for start in range(0, source.shape[0], self.edge_chunk):
-            end = start + self.edge_chunk
+        for start in range(0, source.shape[0], workspace.shape[1]):
+            end = min(start + workspace.shape[1], source.shape[0])
             filt = cubic_rows(table, rows[start:end], powers[start:end])
             j, i = source[start:end], receiver[start:end]
-            gathered = x.index_select(0, j).mul_(filt)
-            summed.index_add_(0, i, gathered)
+            gathered = workspace[0, : end - start]
+            torch.index_select(x, 0, j, out=gathered)
+            summed.index_add_(0, i, gathered.mul_(filt))
             if symmetric:
                 torch.index_select(x, 0, i, out=gathered)
                 summed.index_add_(0, j, gathered.mul_(filt))
@@ -188,7 +197,7 @@ class Interaction(nn.Module):
     def table_backward(
         self, grad_h: Tensor, x: Tensor, y: Tensor, source: Tensor, receiver: Tensor,
         rows: Tensor, slope_rows: Tensor, powers: Tensor, grad_t: Tensor, symmetric: bool,
-        input_grad: bool,
+        input_grad: bool, workspace: Tensor,
     ) -> Tensor:  # fmt: skip
         """The block's backward written out: adds dE/dt of every edge into ``grad_t`` [P]
         (in place) and returns dE/dh [N, H] at the block's input given ``grad_h`` at its
@@ -202,15 +211,19 @@ class Interaction(nn.Module):
         grad_x = torch.zeros_like(x)
         table = self.coefficients.view(-1, self.coefficients.shape[2])
         slopes = self.slope_coefficients.view(-1, self.slope_coefficients.shape[2])
-        for start in range(0, source.shape[0], self.edge_chunk):
-            end = start + self.edge_chunk
+        for start in range(0, source.shape[0], workspace.shape[1]):
+            end = min(start + workspace.shape[1], source.shape[0])
             i, j = receiver[start:end], source[start:end]
-            g_i = grad_summed.index_select(0, i)
-            to_filter = x.index_select(0, j).mul_(g_i)  # dE/dW [chunk, F]
-            g_j = g_i  # replaced where the pair carries both messages (TorchScript: bound)
+            g_i, g_j, x_i, to_filter = workspace[:, : end - start].unbind(0)
+            torch.index_select(grad_summed, 0, i, out=g_i)
+            torch.index_select(x, 0, j, out=to_filter)
+            to_filter.mul_(g_i)  # dE/dW [chunk, F]
             if symmetric:
-                g_j = grad_summed.index_select(0, j)
-                to_filter.addcmul_(g_j, x.index_select(0, i))
+                torch.index_select(grad_summed, 0, j, out=g_j)
+                torch.index_select(x, 0, i, out=x_i)
+                to_filter.addcmul_(g_j, x_i)
+            else:
+                g_j = g_i
             slope = cubic_rows(slopes, slope_rows[start:end], powers[start:end, :3])
             grad_t[start:end] += to_filter.mul_(slope).sum(1)
             if input_grad:
@@ -282,6 +295,8 @@ class PortableSchNet(nn.Module):
         )
         self.unit = unit
         self.filter_points = filter_points
+        self.num_filters = num_filters
+        self.chunk_bytes = TABLE_CHUNK_BYTES  # an attribute: TorchScript reads no globals
         known = torch.zeros(len(atom_reference), dtype=torch.bool)  # [119], indexed by z
         known[torch.tensor(elements, dtype=torch.long)] = True
         self.register_buffer("known", known, persistent=False)
@@ -443,10 +458,15 @@ class PortableSchNet(nn.Module):
             rows = (4 * interval).unsqueeze(1) + torch.arange(4, device=vec.device)  # [P, 4]
             slope_rows = (3 * interval).unsqueeze(1) + torch.arange(3, device=vec.device)
             h = self.embedding(z)
+            # one [4, chunk, F] allocation per call for every chunk's gathered rows: per-chunk
+            # temporaries, freed together, made malloc return and re-fault memory (200-atom
+            # molecule at 0.4 MB chunks: 10-17 ms per call from one process to the next)
+            chunk = self.chunk_bytes // (vec.element_size() * self.num_filters)
+            workspace = vec.new_empty((4, min(chunk, vec.shape[0]), self.num_filters))
             kept: List[Tuple[Tensor, Tensor]] = []
             for interaction in self.interactions:
                 update, x, y = interaction.table_forward(
-                    h, source, receiver, rows, powers, symmetric
+                    h, source, receiver, rows, powers, symmetric, workspace
                 )
                 h = h + update
                 kept.append((x, y))
@@ -463,7 +483,7 @@ class PortableSchNet(nn.Module):
                     if block_number == number:  # TorchScript indexes a ModuleList by literals
                         grad_h = block.table_backward(
                             grad_h, x, y, source, receiver, rows, slope_rows, powers, grad_t,
-                            symmetric, number > 0,
+                            symmetric, number > 0, workspace,
                         )  # fmt: skip
             dt_ddist = (self.filter_points - 1) / self.cutoff
             grad = (grad_t * dt_ddist / dist).unsqueeze(1) * vec
