@@ -186,10 +186,12 @@ class Interaction(nn.Module):
             filt = cubic_rows(table, rows[start:end], powers[start:end])
             j, i = source[start:end], receiver[start:end]
             gathered = workspace[0, : end - start]
-            torch.index_select(x, 0, j, out=gathered)
+            # the aten op by name: importing torch_geometric replaces torch.index_select with
+            # a Python function (its hash_tensor.py) that TorchScript cannot compile
+            torch.ops.aten.index_select(x, 0, j, out=gathered)
             summed.index_add_(0, i, gathered.mul_(filt))
             if symmetric:
-                torch.index_select(x, 0, i, out=gathered)
+                torch.ops.aten.index_select(x, 0, i, out=gathered)
                 summed.index_add_(0, j, gathered.mul_(filt))
         y = self.conv.lin2(summed)
         return self.lin(self.act(y)), x, y
@@ -215,12 +217,12 @@ class Interaction(nn.Module):
             end = min(start + workspace.shape[1], source.shape[0])
             i, j = receiver[start:end], source[start:end]
             g_i, g_j, x_i, to_filter = workspace[:, : end - start].unbind(0)
-            torch.index_select(grad_summed, 0, i, out=g_i)
-            torch.index_select(x, 0, j, out=to_filter)
+            torch.ops.aten.index_select(grad_summed, 0, i, out=g_i)
+            torch.ops.aten.index_select(x, 0, j, out=to_filter)
             to_filter.mul_(g_i)  # dE/dW [chunk, F]
             if symmetric:
-                torch.index_select(grad_summed, 0, j, out=g_j)
-                torch.index_select(x, 0, i, out=x_i)
+                torch.ops.aten.index_select(grad_summed, 0, j, out=g_j)
+                torch.ops.aten.index_select(x, 0, i, out=x_i)
                 to_filter.addcmul_(g_j, x_i)
             else:
                 g_j = g_i

@@ -196,10 +196,12 @@ def test_a_supercell_has_the_same_energy_per_atom(exported):
 
 
 def test_edges_in_many_chunks_give_what_one_pass_gives(model_path):
-    """The torch-ops convolution walks the edges in chunks of ``edge_chunk``: 7 edges at a
-    time (dozens of chunks, a short last one) equals one pass, to 1e-12 in float64."""
+    """The torch-ops convolution walks the edges in chunks (``edge_chunk`` for the exact
+    filter, ``chunk_bytes`` of the table's workspace): 7 edges at a time (dozens of chunks,
+    a short last one) equals one pass, to 1e-12 in float64."""
     one_pass = PortableSchNet.from_trained(load_trained(model_path), torch.float64)
     chunked = PortableSchNet.from_trained(load_trained(model_path), torch.float64)
+    chunked.chunk_bytes = 7 * 8 * chunked.num_filters  # float64 rows of F filters
     for block in chunked.interactions:
         block.edge_chunk = 7
     atoms = sheared_bulk()
@@ -208,6 +210,30 @@ def test_edges_in_many_chunks_give_what_one_pass_gives(model_path):
     whole = run_export(one_pass, atoms)
     for got, want in zip(run_export(torch.jit.script(chunked), atoms), whole):
         np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12 * np.abs(want).max())
+
+
+def test_export_compiles_with_torch_geometric_imported(tmp_path):
+    """PyG replaces ``torch.index_select`` with a Python function when imported
+    (``torch_geometric/hash_tensor.py``), which TorchScript cannot compile; the export calls
+    the aten op itself. In a fresh process: TorchScript keeps a class compiled once."""
+    path = write_model(tmp_path, "table")
+    script = (
+        "import sys, torch, torch_geometric\n"
+        "from pathlib import Path\n"
+        "from schnet_ipu.inference import export_model\n"
+        "export_model(Path(sys.argv[1]), Path(sys.argv[2]))\n"
+        "module = torch.jit.load(sys.argv[2])\n"
+        "pos = torch.tensor([[0, 0, 0.0], [0.96, 0, 0], [0, 0.96, 0]])\n"
+        "print(float(module(torch.tensor([8, 1, 1]), pos)[0]))\n"
+    )
+    out = tmp_path / "exported.pt"
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(path), str(out)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    want = PortableSchNet.from_trained(load_trained(path))
+    z, pos = torch.tensor([8, 1, 1]), torch.tensor([[0, 0, 0.0], [0.96, 0, 0], [0, 0.96, 0]])
+    assert float(done.stdout.split()[-1]) == pytest.approx(float(want(z, pos)[0]), abs=1e-6)
 
 
 @pytest.mark.parametrize("full_list", [True, False])
