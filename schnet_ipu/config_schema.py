@@ -107,12 +107,14 @@ class OptimConfig:
     # host calls) above spike_factor x the median of the last spike_window reads, or a
     # validation loss above spike_factor x the median of the last spike_window validations,
     # rolls back to the last good weights and optimiser state (kept in memory) and multiplies
-    # the lr by spike_lr_factor; a spike after spike_rollbacks rollbacks stops the run (exit 2,
-    # best.pt kept)
+    # the lr by spike_lr_factor, which climbs back over spike_lr_recovery_steps (after the
+    # k-th rollback to spike_lr_factor^(k-1) of the schedule; 0 = lowered for good); a spike
+    # after spike_rollbacks rollbacks stops the run (exit 2, best.pt kept)
     spike_guard: bool = True
     spike_factor: float = 10.0
     spike_window: int = 20
     spike_lr_factor: float = 0.5
+    spike_lr_recovery_steps: int = 1000
     spike_rollbacks: int = 4
     beat_baseline: bool = True  # exit 2 unless the test MAE beats the dressed-atom baseline
 
@@ -220,5 +222,6 @@ NON_NEGATIVE = (
     "optim.lr_reference_minutes",
     "optim.ema_decay",
     "optim.spike_rollbacks",
+    "optim.spike_lr_recovery_steps",
     "backend.threads",
 )

@@ -34,11 +34,22 @@ step before a read may damage the weights without its loss showing until the nex
 A spike in the reads restores ``good``, unless ``good`` is what the last rollback restored
 (training from it diverged again: it may be damaged already), and a spike in validation
 restores ``validated``; the learning rate
-is multiplied by ``optim.spike_lr_factor`` from then on (the scheduler's base rate, so later
-checkpoints keep it), one line is logged, and training goes on from where the data stood (the
-data order and the schedule's clock are not rewound). A spike after ``optim.spike_rollbacks``
-rollbacks stops the run with :class:`~schnet_ipu.errors.TrainingError` naming the step and
-the learning rate; ``best.pt`` stays. At the end, :func:`check_beats_baseline` fails a run
+is multiplied by ``optim.spike_lr_factor`` (the scheduler's base rate, so checkpoints keep
+it), one line is logged, and training goes on from where the data stood (the data order and
+the schedule's clock are not rewound).
+
+**Recovery.** The lowered rate climbs back linearly over ``optim.spike_lr_recovery_steps``
+(moved at each clean read): after the first rollback to the schedule's own rate, after the
+k-th to ``spike_lr_factor^(k - 1)`` of it, so a rate that spikes again is lowered for good.
+1,000 steps is about the memory of Adam's second moments (beta2 0.999), whose catching up
+after a quiet stretch is a usual cause of a spike. A lowering for the rest of the run cost
+the one 30-minute QM9 run it happened to (rollback at step 3,380 of ~57,000: ahead of the
+others until minute 15 at half the rate, 1.3 meV behind at the end); 0 keeps it for good.
+The plateau schedule keeps every lowering (its own reductions set the rate).
+
+A spike after ``optim.spike_rollbacks`` rollbacks stops the run with
+:class:`~schnet_ipu.errors.TrainingError` naming the step and the learning rate; ``best.pt``
+stays. At the end, :func:`check_beats_baseline` fails a run
 whose test MAE does not beat the dressed-atom baseline (``optim.beat_baseline``).
 
 **Resume.** :meth:`SpikeGuard.state` (reads, rollbacks, recent validation losses, snapshots) goes
@@ -180,10 +191,10 @@ class Spike:
     reference_name: str  # what ``reference`` is, for the log line
 
 
-def lower_learning_rate(trainee: Trainee, factor: float) -> None:
-    """Multiply the learning rate by ``factor`` for the rest of the run: a cosine/constant
-    schedule's base rate (LambdaLR recomputes the rate from it at every step) and the rate
-    in use (a tensor on the device for CUDA graphs: changed in place)."""
+def scale_learning_rate(trainee: Trainee, factor: float) -> None:
+    """Multiply the learning rate by ``factor``: a cosine/constant schedule's base rate
+    (LambdaLR recomputes the rate from it at every step) and the rate in use (a tensor on
+    the device for CUDA graphs: changed in place)."""
     scheduler = trainee.scheduler
     if isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
         scheduler.base_lrs = [lr * factor for lr in scheduler.base_lrs]
@@ -210,6 +221,9 @@ class SpikeGuard:
     ) -> None:
         self.factor = optim.spike_factor
         self.lr_factor = optim.spike_lr_factor
+        self.recovery_steps = optim.spike_lr_recovery_steps
+        if not isinstance(trainee.scheduler, torch.optim.lr_scheduler.LambdaLR):
+            self.recovery_steps = 0  # plateau: its reductions set the rate
         self.max_rollbacks = optim.spike_rollbacks
         self.trainee = trainee
         self.best_path = best_path
@@ -218,6 +232,8 @@ class SpikeGuard:
         self.reads: deque[float] = deque(maxlen=optim.spike_window)
         self.validations: deque[float] = deque(maxlen=optim.spike_window)
         self.rollbacks = 0
+        self.lr_scale = 1.0  # of the schedule's own rate, set by rollbacks and recovery
+        self.recovery_start: int | None = None  # the step of the rollback being recovered from
         self.start_loss: float | None = None  # set by the first read
         self.validated: Snapshot | None = None
         self.good: Snapshot | None = None
@@ -244,7 +260,21 @@ class SpikeGuard:
         if self.pending is not None:
             self.good = self.pending
         self.pending = Snapshot.take(self.trainee, step)
+        self.recover(step)
         return None
+
+    def recover(self, step: int) -> None:
+        """Move the rate lowered by the last rollback back toward its ceiling (see the
+        module docstring): linear in the steps since that rollback."""
+        if self.recovery_start is None:
+            return
+        progress = min((step - self.recovery_start) / self.recovery_steps, 1.0)
+        ceiling = self.lr_factor ** (self.rollbacks - 1)
+        scale = ceiling * (self.lr_factor + (1.0 - self.lr_factor) * progress)
+        scale_learning_rate(self.trainee, scale / self.lr_scale)
+        self.lr_scale = scale
+        if progress >= 1.0:
+            self.recovery_start = None
 
     def check_validation(self, val_loss: float, step: int) -> Spike | None:
         """A validation's loss (the training objective on the split): a spike, or None after
@@ -281,10 +311,17 @@ class SpikeGuard:
             target = self.validated
         target.restore(self.trainee)
         self.good, self.pending, self.restored = target, None, target
-        lower_learning_rate(self.trainee, self.lr_factor)
+        scale = self.lr_factor**self.rollbacks
+        scale_learning_rate(self.trainee, scale / self.lr_scale)
+        self.lr_scale = scale
+        recovery = "for the rest of the run"
+        if self.recovery_steps > 0:
+            self.recovery_start = spike.step
+            ceiling = self.lr_factor ** (self.rollbacks - 1)
+            recovery = f"back to {ceiling:g} x the schedule over {self.recovery_steps} steps"
         log.warning(
             "divergence guard%s: step %d: %s %.4g > %g x %.4g (%s); rolled back to step %d, "
-            "learning rate %.3g -> %.3g (rollback %d of %d)",
+            "learning rate %.3g -> %.3g, %s (rollback %d of %d)",
             self.where,
             spike.step,
             spike.what,
@@ -295,6 +332,7 @@ class SpikeGuard:
             target.step,
             lr,
             self.trainee.lr,
+            recovery,
             self.rollbacks,
             self.max_rollbacks,
         )
@@ -324,6 +362,8 @@ class SpikeGuard:
         return {
             "reads": list(self.reads),
             "rollbacks": self.rollbacks,
+            "lr_scale": self.lr_scale,
+            "recovery_start": self.recovery_start,
             "validations": list(self.validations),
             "start_loss": self.start_loss,
             "snapshots": [s.to_dict() for s in snapshots],
@@ -334,13 +374,17 @@ class SpikeGuard:
         self.reads.clear()
         self.reads.extend(float(v) for v in state["reads"])
         self.rollbacks = int(state["rollbacks"])
+        # a checkpoint from before recovery lowered for good
+        self.lr_scale = float(state.get("lr_scale", self.lr_factor**self.rollbacks))
+        start = state.get("recovery_start")
+        self.recovery_start = None if start is None else int(start)
         self.validations.clear()
         if "validations" in state:
             self.validations.extend(float(v) for v in state["validations"])
         elif math.isfinite(state["best_val_loss"]):  # a checkpoint of the best-validation rule
             self.validations.append(float(state["best_val_loss"]))
-        start = state["start_loss"]
-        self.start_loss = None if start is None else float(start)
+        start_loss = state["start_loss"]
+        self.start_loss = None if start_loss is None else float(start_loss)
         snapshots = [Snapshot.from_dict(raw) for raw in state["snapshots"]]
         picked = {name: state[name] for name in ("validated", "good", "pending", "restored")}
         self.validated, self.good, self.pending, self.restored = (

@@ -28,7 +28,8 @@ train_cli = load_script("train.py")
 RISING_LR = ("optim.lr=40", "optim.schedule=cosine", "optim.warmup_steps=10000", "optim.epochs=3")
 LINE = re.compile(
     r"divergence guard(?P<where>.*?): step (?P<step>\d+): training loss \S+ > 10 x \S+ "
-    r"\(.*\); rolled back to step (?P<to>\d+), learning rate (?P<old>\S+) -> (?P<new>\S+) "
+    r"\(.*\); rolled back to step (?P<to>\d+), learning rate (?P<old>\S+) -> (?P<new>[^,\s]+), "
+    r"(?P<recovery>.*) \(rollback"
 )
 
 
@@ -50,10 +51,12 @@ def test_a_learning_rate_far_too_high_rolls_back_and_the_run_beats_the_baseline(
     qm9_small, tmp_path, caplog
 ):
     """At lr 0.1 (100 x the default) the loss blows up within two steps: each time the
-    guard logs one line, restores earlier weights and halves the learning rate, and the run
-    ends below the dressed-atom baseline (train() raises otherwise)."""
+    guard logs one line, restores earlier weights and halves the learning rate (here for
+    good: ``spike_lr_recovery_steps=0``), and the run ends below the dressed-atom baseline
+    (train() raises otherwise)."""
     run_dir = tmp_path / "run"
     args = ("optim.lr=0.1", "optim.schedule=constant", "optim.epochs=4")
+    args += ("optim.spike_lr_recovery_steps=0",)
     with caplog.at_level(logging.WARNING, logger="schnet_ipu"):
         final = train(load_config(None, tiny(qm9_small, run_dir, *args)))
     lines = guard_lines([r.getMessage() for r in caplog.records])
@@ -61,11 +64,34 @@ def test_a_learning_rate_far_too_high_rolls_back_and_the_run_beats_the_baseline(
     for line in lines:
         assert int(line["to"]) < int(line["step"])
         assert float(line["new"]) == pytest.approx(float(line["old"]) / 2, rel=1e-2)
+        assert line["recovery"] == "for the rest of the run"
     rollbacks = read_records(run_dir / "metrics.jsonl", "rollback")
     assert [r["step"] for r in rollbacks] == [int(m["step"]) for m in lines]
     last_lr = read_records(run_dir / "metrics.jsonl", "epoch")[-1]["lr"]
     assert last_lr == pytest.approx(0.1 / 2 ** len(lines))
     assert final["test_mae"] < final["baseline_test_mae"]
+
+
+def test_a_lowered_learning_rate_climbs_back_after_the_first_rollback(qm9_small, tmp_path, caplog):
+    """With ``spike_lr_recovery_steps=4`` the rate a rollback lowers climbs back within 4
+    steps: to the schedule's own after the first rollback, to half of it after the second
+    (a rate that spiked again is lowered for good); the log line says where it goes."""
+    run_dir = tmp_path / "run"
+    args = ("optim.lr=0.1", "optim.schedule=constant", "optim.epochs=4")
+    args += ("optim.spike_lr_recovery_steps=4", "optim.beat_baseline=false")
+    with caplog.at_level(logging.WARNING, logger="schnet_ipu"):
+        train(load_config(None, tiny(qm9_small, run_dir, *args)))
+    lines = guard_lines([r.getMessage() for r in caplog.records])
+    assert len(lines) >= 2, caplog.text
+    for number, line in enumerate(lines):
+        ceiling = 0.5**number
+        assert line["recovery"] == f"back to {ceiling:g} x the schedule over 4 steps"
+        assert float(line["new"]) == pytest.approx(0.1 * ceiling / 2, rel=1e-6)
+    steps = read_records(run_dir / "metrics.jsonl", "step")
+    last = int(lines[-1]["step"])
+    after = [r["lr"] for r in steps if r["step"] >= last + 4 + 1]
+    assert after, "no step record after the recovery"
+    assert after[-1] == pytest.approx(0.1 * 0.5 ** (len(lines) - 1), rel=1e-9)
 
 
 def test_a_resumed_run_rolls_back_exactly_as_an_uninterrupted_one(qm9_small, tmp_path, monkeypatch):
