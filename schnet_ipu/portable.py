@@ -436,10 +436,12 @@ class PortableSchNet(nn.Module):
         else:
             vec.requires_grad_(True)  # [P, 3]: the one leaf of the backward
             energy = self.energy(z, vec, receiver, source, symmetric)
-            grads = torch.autograd.grad([energy], [vec], allow_unused=True)
-            grad = grads[0]
-            if grad is None:  # no pair within the cutoff: the energy is the atoms' own
-                grad = torch.zeros_like(vec)
+            grad = torch.zeros_like(vec)  # no pair within the cutoff: the atoms' own energy
+            if energy.requires_grad:  # (the weights are frozen: only pairs make it need one)
+                grads = torch.autograd.grad([energy], [vec], allow_unused=True)
+                found = grads[0]
+                if found is not None:
+                    grad = found
         forces = torch.zeros_like(pos).index_add_(0, receiver, grad).index_add_(0, source, -grad)
         dE_deps = vec.detach().t() @ grad  # sum over edges of r (x) dE/dr
         virial = -0.5 * (dE_deps + dE_deps.t())
@@ -464,7 +466,8 @@ class PortableSchNet(nn.Module):
             # temporaries, freed together, made malloc return and re-fault memory (200-atom
             # molecule at 0.4 MB chunks: 10-17 ms per call from one process to the next)
             chunk = self.chunk_bytes // (vec.element_size() * self.num_filters)
-            workspace = vec.new_empty((4, min(chunk, vec.shape[0]), self.num_filters))
+            rows_needed = max(min(chunk, vec.shape[0]), 1)  # 1: a loop step, with no pairs
+            workspace = vec.new_empty((4, rows_needed, self.num_filters))
             kept: List[Tuple[Tensor, Tensor]] = []
             for interaction in self.interactions:
                 update, x, y = interaction.table_forward(

@@ -184,6 +184,26 @@ def test_without_vesin_the_calculator_searches_with_the_torch_cell_list(
     np.testing.assert_allclose(without.stress, with_vesin.stress, atol=1e-12)
 
 
+def test_atoms_without_neighbours_have_their_own_energy_and_no_force(model_path, exported):
+    """One atom, two atoms farther apart than the cutoff, one atom in a cell wider than
+    twice the cutoff: no pair at all; each atom's energy is the model's for its element
+    alone (as the packed model gives it), forces and stress are zero."""
+    reference = PortableSchNet.from_trained(load_trained(model_path), torch.float64)
+    alone = {z: float(reference(torch.tensor([z]), torch.zeros(1, 3, dtype=torch.float64))[0])
+             for z in (8, 29)}  # fmt: skip
+    far = torch.tensor([[0.0, 0.0, 0.0], [2 * CUTOFF, 0.0, 0.0]], dtype=torch.float64)
+    cell, pbc = torch.eye(3, dtype=torch.float64) * 2.5 * CUTOFF, torch.tensor([True] * 3)
+    for name, module in exported.items():
+        energy, forces = module(torch.tensor([8, 29]), far)
+        assert float(energy) == pytest.approx(alone[8] + alone[29], abs=1e-4), name
+        assert float(forces.abs().max()) == 0.0
+        energy, forces, stress = module(torch.tensor([29]), far[:1], cell, pbc)
+        assert float(energy) == pytest.approx(alone[29], abs=1e-4), name
+        assert float(forces.abs().max()) == 0.0 and float(stress.abs().max()) == 0.0
+    energy, _, _ = packed_reference(model_path, Atoms("O", positions=[[0, 0, 0]]))
+    assert alone[8] == pytest.approx(energy, abs=1e-9)
+
+
 def test_a_supercell_has_the_same_energy_per_atom(exported):
     cell = thin_triclinic_cell()
     big = cell.repeat((2, 2, 2))
