@@ -52,7 +52,8 @@ A spike after ``optim.spike_rollbacks`` rollbacks stops the run with
 stays. At the end, :func:`check_beats_baseline` fails a run
 whose test MAE does not beat the dressed-atom baseline (``optim.beat_baseline``).
 
-**Resume.** :meth:`SpikeGuard.state` (reads, rollbacks, recent validation losses, snapshots) goes
+**Resume.** :meth:`SpikeGuard.state` (reads, rollbacks, the lr scale and the recovery's start,
+recent validation losses, snapshots) goes
 into ``last.pt``, so a resumed run decides and rolls back exactly as the uninterrupted one.
 """
 
@@ -269,12 +270,18 @@ class SpikeGuard:
         if self.recovery_start is None:
             return
         progress = min((step - self.recovery_start) / self.recovery_steps, 1.0)
-        ceiling = self.lr_factor ** (self.rollbacks - 1)
-        scale = ceiling * (self.lr_factor + (1.0 - self.lr_factor) * progress)
-        scale_learning_rate(self.trainee, scale / self.lr_scale)
-        self.lr_scale = scale
+        self.set_lr_scale(self.ceiling() * (self.lr_factor + (1.0 - self.lr_factor) * progress))
         if progress >= 1.0:
             self.recovery_start = None
+
+    def ceiling(self) -> float:
+        """The scale a recovery climbs back to: 1 after the first rollback, then
+        ``lr_factor^(rollbacks - 1)``."""
+        return self.lr_factor ** (self.rollbacks - 1)
+
+    def set_lr_scale(self, scale: float) -> None:
+        scale_learning_rate(self.trainee, scale / self.lr_scale)
+        self.lr_scale = scale
 
     def check_validation(self, val_loss: float, step: int) -> Spike | None:
         """A validation's loss (the training objective on the split): a spike, or None after
@@ -311,14 +318,11 @@ class SpikeGuard:
             target = self.validated
         target.restore(self.trainee)
         self.good, self.pending, self.restored = target, None, target
-        scale = self.lr_factor**self.rollbacks
-        scale_learning_rate(self.trainee, scale / self.lr_scale)
-        self.lr_scale = scale
+        self.set_lr_scale(self.lr_factor**self.rollbacks)
         recovery = "for the rest of the run"
         if self.recovery_steps > 0:
             self.recovery_start = spike.step
-            ceiling = self.lr_factor ** (self.rollbacks - 1)
-            recovery = f"back to {ceiling:g} x the schedule over {self.recovery_steps} steps"
+            recovery = f"back to {self.ceiling():g} x the schedule over {self.recovery_steps} steps"
         log.warning(
             "divergence guard%s: step %d: %s %.4g > %g x %.4g (%s); rolled back to step %d, "
             "learning rate %.3g -> %.3g, %s (rollback %d of %d)",
