@@ -15,18 +15,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 from contextlib import nullcontext
 from pathlib import Path
 
 from schnet_ipu.config import load_config
-from schnet_ipu.errors import run_cli
+from schnet_ipu.errors import configure_logging, run_cli
 
 
 def main(argv: list[str]) -> int:
     """Every command's errors pass :func:`run_cli`: user errors become one line, exit 2."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    configure_logging()
     if argv and argv[0] == "export":
         return run_cli(lambda: export_command(argv[1:]))
     if argv and argv[0] in ("evaluate", "predict"):

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import argparse
 import errno
+import logging
 import math
 import sys
 from collections.abc import Callable
 
 EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130  # Ctrl-C: the checkpoint was saved first (the shells' 128 + SIGINT)
 
 # Errnos of OSErrors that are the environment's fault, not a bug, besides the subclasses below.
 _EXPECTED_ERRNOS = {
@@ -79,6 +81,12 @@ def user_message(err: BaseException) -> str | None:
     else:
         return None
     return " ".join(text.split())  # one line, whatever the message held
+
+
+def configure_logging(level: int = logging.INFO) -> None:
+    """The commands' log lines on stderr: time and message (spawned replicas set theirs
+    from the launcher's level)."""
+    logging.basicConfig(level=level, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
 
 
 def run_cli(main: Callable[[], object]) -> int:

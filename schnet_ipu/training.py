@@ -21,6 +21,7 @@ import logging
 import math
 import signal
 import time
+from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +45,7 @@ from schnet_ipu.budget import Budget, WeightAverage
 from schnet_ipu.checkpoint import load_checkpoint, save_checkpoint
 from schnet_ipu.components import make_scheduler, make_trainer, model_spec
 from schnet_ipu.config import Config
-from schnet_ipu.errors import TrainingError
+from schnet_ipu.errors import EXIT_INTERRUPTED, TrainingError
 from schnet_ipu.evaluation import evaluate
 from schnet_ipu.guard import Spike, SpikeGuard, Trainee, check_beats_baseline
 from schnet_ipu.loader import PackedLoader
@@ -121,7 +122,7 @@ def run(cfg: Config, fresh: bool = False) -> None:
         if runlog is not None:  # rank 0 writes
             save_checkpoint(path, state.checkpoint(progress, resumable=path == last_path))
 
-    stop = StopFlag()
+    stop = StopFlag(replica.world_size)
     # Ctrl-C anywhere in an epoch (training, validation, checkpoints) is a stop request:
     # inside the training loop it stops at the next host call, later at the epoch's end
     with ctrl_c_requests_stop(stop):
@@ -136,10 +137,10 @@ def run(cfg: Config, fresh: bool = False) -> None:
                 progress.epoch, progress.call = epoch, stats["calls"]
                 checkpoint(last_path)
                 log.info("interrupted: saved %s at epoch %d; re-run to resume", last_path, epoch)
-                raise SystemExit(130)
+                raise SystemExit(EXIT_INTERRUPTED)
             with averaged(average, backend):
                 val = evaluate(task, backend, val_loader, "val", replica.world_size)
-            budget.agree()
+            stop.agree(budget)  # a Ctrl-C during validation, too, stops every replica
             calls = stats["calls"]
             spike = None
             if guard is not None:  # every replica has the same validation metrics
@@ -167,7 +168,7 @@ def run(cfg: Config, fresh: bool = False) -> None:
             checkpoint(last_path)
             if stop.requested:
                 log.info("interrupted: saved %s after epoch %d; re-run to resume", last_path, epoch)
-                raise SystemExit(130)
+                raise SystemExit(EXIT_INTERRUPTED)
 
     if math.isinf(progress.best_mae):  # the divergence guard refused every validation
         raise TrainingError(
@@ -207,8 +208,8 @@ def train_epoch(
     """One epoch of host calls from ``first_call`` until the epoch ends, the ``budget`` is
     spent, its clock reaches ``until`` seconds (time to validate) or a stop is requested;
     returns its mean (finite) loss, throughput and time split. ``average`` follows every
-    call. Replicas agree on the budget's clock every ``logging.log_every`` calls, so all
-    stop at the same call.
+    call. Replicas agree on the budget's clock and on a stop request every
+    ``logging.log_every`` calls, so all stop at the same call.
 
     The step losses stay on the device: they are read (one synchronisation) every
     ``logging.log_every`` host calls and at the end of the epoch, and checked then: by the
@@ -219,7 +220,7 @@ def train_epoch(
 
     def read_and_check(step: int) -> list[float]:
         read = read_losses(pending, epoch, step, refuse_non_finite=guard is None)
-        shared = budget.agree([mean_or_inf(read), mean_or_inf(read[:1])] if guard else [])
+        shared = stop.agree(budget, [mean_or_inf(read), mean_or_inf(read[:1])] if guard else [])
         spike = None if guard is None else guard.check_read(*shared, step)
         if spike is not None:
             roll_back(guard, spike, runlog, epoch, calls)
@@ -347,7 +348,25 @@ def averaged(average: WeightAverage | None, backend: Backend):
 
 @dataclass
 class StopFlag:
-    requested: bool = False
+    """Ctrl-C as a stop request. ``seen``: this process got one (the handler of
+    :func:`ctrl_c_requests_stop` sets it). Replicas see a Ctrl-C at different host calls (or
+    only one of them gets a ``kill -INT``) but must stop at the same one, so with several a
+    request counts once :meth:`agree` found it on any of them; alone, at once."""
+
+    world_size: int = 1
+    seen: bool = False
+    agreed: bool = False
+
+    @property
+    def requested(self) -> bool:
+        return self.seen if self.world_size == 1 else self.agreed
+
+    def agree(self, budget: Budget, shared: Sequence[float] = ()) -> list[float]:
+        """The budget's agreement (every replica at the same point), carrying this flag
+        beside ``shared``, whose maxima over the replicas it returns."""
+        seen_anywhere, *maxima = budget.agree([float(self.seen), *shared])
+        self.agreed = seen_anywhere > 0
+        return maxima
 
 
 @contextmanager
@@ -355,7 +374,7 @@ def ctrl_c_requests_stop(stop: StopFlag):
     """Turn Ctrl-C into a request honoured between host calls, so the checkpoint is exact."""
 
     def handle(signum, frame) -> None:
-        stop.requested = True
+        stop.seen = True
 
     try:
         previous = signal.signal(signal.SIGINT, handle)

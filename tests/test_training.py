@@ -97,6 +97,69 @@ def test_ctrl_c_checkpoints_and_resume_matches_an_uninterrupted_run(qm9_small, t
     assert epochs == [0, 1, 2]
 
 
+def spawned_replicas(launcher: int) -> list[int]:
+    """Process ids of the replicas a launcher spawned (multiprocessing's spawn children;
+    not its resource tracker), read from /proc."""
+    children = Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()
+    found = []
+    for pid in map(int, children):
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+        if b"spawn_main" in command:
+            found.append(pid)
+    return found
+
+
+TWO_REPLICAS = ("optim.epochs=3", "backend.replicas=2")
+
+
+@pytest.fixture(scope="module")
+def two_replicas_uninterrupted(qm9_small, tmp_path_factory) -> dict[str, torch.Tensor]:
+    run_dir = tmp_path_factory.mktemp("whole") / "run"
+    train(load_config(None, tiny(qm9_small, run_dir, *TWO_REPLICAS)))
+    return weights(run_dir)
+
+
+@pytest.mark.parametrize("reaches", ["the terminal's group", "the launcher", "one replica"])
+def test_ctrl_c_stops_two_replicas_at_one_call_and_resume_matches(
+    qm9_small, tmp_path, two_replicas_uninterrupted, reaches
+):
+    """A terminal's Ctrl-C reaches the launcher and both replicas (one process group); a
+    ``kill -INT`` may reach the launcher alone (it passes it on) or one replica alone. The
+    replicas see it at different host calls, so they agree on it first and stop at the
+    same one: the run exits 130 with no traceback, ``last.pt`` holds that call, and the
+    same command resumes to the weights of an uninterrupted run."""
+    interrupted = tmp_path / "interrupted"
+    command = [*TRAIN_PY, *tiny(qm9_small, interrupted, *TWO_REPLICAS)]
+    process = subprocess.Popen(
+        command, cwd=ROOT, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    metrics = interrupted / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not read_records(metrics, "step") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if reaches == "the terminal's group":
+        os.killpg(process.pid, signal.SIGINT)
+    elif reaches == "the launcher":
+        process.send_signal(signal.SIGINT)
+    else:
+        os.kill(max(spawned_replicas(process.pid)), signal.SIGINT)
+    try:
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:  # a replica left waiting on the other: the bug
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 130, stderr
+    assert "Traceback" not in stderr and "re-run to resume" in stderr, stderr
+    saved = torch.load(interrupted / "checkpoints/last.pt", weights_only=False)
+    assert (saved["epoch"], saved["call"]) < (3, 0)
+
+    train(load_config(None, tiny(qm9_small, interrupted, *TWO_REPLICAS)))  # resumes
+    resumed = weights(interrupted)
+    for name, value in two_replicas_uninterrupted.items():
+        assert torch.allclose(resumed[name], value, rtol=0, atol=1e-6), name
+    assert [r["epoch"] for r in read_records(metrics, "epoch")] == [0, 1, 2]
+
+
 def test_ctrl_c_during_validation_finishes_the_epoch_then_stops(qm9_small, tmp_path, monkeypatch):
     """Ctrl-C outside the training loop (here: in validation) is a stop request too: the
     epoch ends with its record and checkpoint, the run exits 130 without a traceback, and a

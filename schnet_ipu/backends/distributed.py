@@ -23,12 +23,15 @@ memory (:mod:`~schnet_ipu.backends.shared_memory`) instead of a gloo all-reduce.
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
 import socket
 import sys
 import time
 import uuid
 from collections.abc import Callable
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -41,7 +44,13 @@ from torch import Tensor, nn
 
 from schnet_ipu.backends.shared_memory import SharedMemoryReduction
 from schnet_ipu.config import IPU_DEVICES, BackendConfig, ConfigError
-from schnet_ipu.errors import EXIT_USER_ERROR, ReplicaWaitError, UserError
+from schnet_ipu.errors import (
+    EXIT_INTERRUPTED,
+    EXIT_USER_ERROR,
+    ReplicaWaitError,
+    UserError,
+    configure_logging,
+)
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 _spawn_barrier = None  # the barrier of the replicas spawned together with this process
@@ -255,7 +264,8 @@ def launch_replicas(fn: Callable[..., Any], replicas: int, *args: Any) -> None:
     fails, the others are terminated and the child's error is raised here: a
     :class:`~schnet_ipu.errors.UserError` as itself (one line at the command's boundary),
     anything else as ``torch.multiprocessing.ProcessRaisedException`` with its traceback; a
-    crash never leaves the parent waiting on a collective.
+    crash never leaves the parent waiting on a collective. A Ctrl-C goes to the replicas,
+    which save and stop together; then this raises ``SystemExit(130)`` too.
     """
     if under_torchrun():
         fn(int(os.environ["RANK"]), *args)
@@ -265,12 +275,37 @@ def launch_replicas(fn: Callable[..., Any], replicas: int, *args: Any) -> None:
         return
     context = spawn_replicas(fn, replicas, *args)
     try:
-        while not context.join():
-            pass
+        with ctrl_c_passed_to(context.pids()):
+            while not context.join():
+                pass
     except mp.ProcessExitedException:
         if context.user_errors.empty():
             raise
         raise context.user_errors.get() from None
+    if not context.interrupted.empty():  # they saved and stopped on a Ctrl-C, and said so
+        raise SystemExit(EXIT_INTERRUPTED)
+
+
+@contextmanager
+def ctrl_c_passed_to(pids: list[int]):
+    """While the replicas run, a Ctrl-C is theirs to handle (they checkpoint, then stop):
+    this launcher passes it on (a ``kill -INT`` of the launcher alone reaches them too; a
+    terminal's reached them already, and a second one changes nothing) and keeps waiting."""
+
+    def pass_on(signum, frame) -> None:
+        for pid in pids:
+            with suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGINT)
+
+    try:
+        previous = signal.signal(signal.SIGINT, pass_on)
+    except ValueError:  # not the main thread: leave Ctrl-C as it is
+        previous = None
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
 
 
 def spawn_replicas(fn: Callable[..., Any], replicas: int, *args: Any) -> mp.ProcessContext:
@@ -280,15 +315,17 @@ def spawn_replicas(fn: Callable[..., Any], replicas: int, *args: Any) -> mp.Proc
     port = free_port()
     spawn = mp.get_context("spawn")
     barrier = spawn.Barrier(replicas)
-    user_errors = spawn.SimpleQueue()
+    user_errors, interrupted = spawn.SimpleQueue(), spawn.SimpleQueue()
+    log_level = logging.getLogger().getEffectiveLevel()
     context = mp.spawn(
         _replica_main,
-        args=(fn, replicas, port, barrier, user_errors, args),
+        args=(fn, replicas, port, barrier, user_errors, interrupted, log_level, args),
         nprocs=replicas,
         join=False,
     )
     context.barrier = barrier  # the children find its semaphores by name while it lives
     context.user_errors = user_errors  # a child's UserError, passed whole to the parent
+    context.interrupted = interrupted  # the ranks that stopped on a Ctrl-C
     return context
 
 
@@ -299,6 +336,8 @@ def _replica_main(
     port: int,
     barrier,
     user_errors,
+    interrupted,
+    log_level: int,
     args: tuple[Any, ...],
 ) -> None:
     global _spawn_barrier
@@ -311,11 +350,18 @@ def _replica_main(
         MASTER_PORT=str(port),
     )
     torch.set_num_threads(max(1, torch.get_num_threads() // replicas))  # share the host's cores
+    configure_logging(log_level if rank == 0 else max(log_level, logging.WARNING))
     try:
         fn(rank, *args)
     except UserError as err:  # the parent reports it as one line, not a child's traceback
         user_errors.put(err)
         sys.exit(EXIT_USER_ERROR)
+    except SystemExit as stop:
+        if stop.code != EXIT_INTERRUPTED:
+            raise
+        # saved and stopped at the host call every replica agreed on: a clean exit, so the
+        # parent waits for all instead of terminating the others when the first one leaves
+        interrupted.put(rank)
 
 
 def trainable_grads(model: nn.Module) -> list[Tensor]:
