@@ -8,7 +8,9 @@ Every error a user can fix derives from :class:`UserError`; its message names th
 Every command runs through :func:`run_cli`: a ``UserError`` or an expected OS error (missing
 file, a file where a folder should be, no permission, disk full) becomes one line
 ``error: <culprit>: <what is wrong and what to do>`` on stderr and exit code 2; anything else
-is a bug and keeps its traceback.
+is a bug and keeps its traceback. A Ctrl-C that a run turns into a saved stop
+(:func:`on_ctrl_c`) ends it with exit code 130 (``EXIT_INTERRUPTED``); the commands log
+through :func:`configure_logging`.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ import argparse
 import errno
 import logging
 import math
+import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130  # Ctrl-C: the checkpoint was saved first (the shells' 128 + SIGINT)
@@ -87,6 +91,22 @@ def configure_logging(level: int = logging.INFO) -> None:
     """The commands' log lines on stderr: time and message (spawned replicas set theirs
     from the launcher's level)."""
     logging.basicConfig(level=level, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+
+
+@contextmanager
+def on_ctrl_c(handler: Callable[[], None]) -> Iterator[None]:
+    """Within the block a Ctrl-C (SIGINT) calls ``handler`` instead of raising
+    KeyboardInterrupt; outside the main thread, where no handler can be set, Ctrl-C stays
+    as it is."""
+    try:
+        previous = signal.signal(signal.SIGINT, lambda signum, frame: handler())
+    except ValueError:
+        previous = None
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
 
 
 def run_cli(main: Callable[[], object]) -> int:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import math
-import signal
 import time
 from collections.abc import Sequence
 from contextlib import contextmanager
@@ -45,7 +44,7 @@ from schnet_ipu.budget import Budget, WeightAverage
 from schnet_ipu.checkpoint import load_checkpoint, save_checkpoint
 from schnet_ipu.components import make_scheduler, make_trainer, model_spec
 from schnet_ipu.config import Config
-from schnet_ipu.errors import EXIT_INTERRUPTED, TrainingError
+from schnet_ipu.errors import EXIT_INTERRUPTED, TrainingError, on_ctrl_c
 from schnet_ipu.evaluation import evaluate
 from schnet_ipu.guard import Spike, SpikeGuard, Trainee, check_beats_baseline
 from schnet_ipu.loader import PackedLoader
@@ -373,15 +372,8 @@ class StopFlag:
 def ctrl_c_requests_stop(stop: StopFlag):
     """Turn Ctrl-C into a request honoured between host calls, so the checkpoint is exact."""
 
-    def handle(signum, frame) -> None:
+    def handle() -> None:
         stop.seen = True
 
-    try:
-        previous = signal.signal(signal.SIGINT, handle)
-    except ValueError:  # not the main thread: leave Ctrl-C as it is
-        previous = None
-    try:
+    with on_ctrl_c(handle):
         yield
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGINT, previous)

@@ -50,6 +50,7 @@ from schnet_ipu.errors import (
     ReplicaWaitError,
     UserError,
     configure_logging,
+    on_ctrl_c,
 )
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -292,20 +293,13 @@ def ctrl_c_passed_to(pids: list[int]):
     this launcher passes it on (a ``kill -INT`` of the launcher alone reaches them too; a
     terminal's reached them already, and a second one changes nothing) and keeps waiting."""
 
-    def pass_on(signum, frame) -> None:
+    def pass_on() -> None:
         for pid in pids:
             with suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGINT)
 
-    try:
-        previous = signal.signal(signal.SIGINT, pass_on)
-    except ValueError:  # not the main thread: leave Ctrl-C as it is
-        previous = None
-    try:
+    with on_ctrl_c(pass_on):
         yield
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGINT, previous)
 
 
 def spawn_replicas(fn: Callable[..., Any], replicas: int, *args: Any) -> mp.ProcessContext:
