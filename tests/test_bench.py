@@ -14,6 +14,7 @@ from schnet_ipu import compiled_feed
 from schnet_ipu.bench.common import Timing, write_report
 from schnet_ipu.config import ModelConfig
 from schnet_ipu.data import import_qm9
+from schnet_ipu.runlog import read_records
 
 TINY = ModelConfig(hidden_channels=8, num_filters=8, num_interactions=1, num_gaussians=6, k=4)
 ONE_STEP = Timing(warmup=1, steps=1, repeats=1)
@@ -178,6 +179,28 @@ def test_accuracy_ours_only_from_the_command_line(store: Path, tmp_path: Path) -
     assert [row["name"] for row in report["results"]] == ["ours (configs/qm9.yaml)"]
     assert report["ratios"] == {} and "ours alone" in report["notes"][0]
     assert (tmp_path / "accuracy.json").is_file()
+
+
+def test_accuracy_in_a_run_folder_resumes_there(store: Path, tmp_path: Path) -> None:
+    """``--run-dir``: our run stays in that folder, and the same command again resumes it
+    (finished here, so it trains no further and reports the same run) instead of starting
+    afresh."""
+    from schnet_ipu.bench.__main__ import main
+
+    shrink = ["data.val=30", "data.test=30", "model.hidden_channels=16", "model.num_filters=16"]
+    shrink += ["backend.compile=false", "backend.replicas=1", "optim.beat_baseline=false"]
+    sets = [arg for value in shrink for arg in ("--set", value)]
+    sets += ["--set", "logging.log_every=1"]  # a step record for every call
+    run_dir = tmp_path / "ours"
+    argv = ["accuracy", "--minutes", "0.01", "--ours-only", "--store", str(store), *sets]
+    argv += ["--run-dir", str(run_dir)]
+    first = main([*argv, "--out-dir", str(tmp_path / "first")])["results"][0]
+    steps = len(read_records(run_dir / "metrics.jsonl", "step"))
+    assert (run_dir / "checkpoints/last.pt").is_file() and steps > 0
+    again = main([*argv, "--out-dir", str(tmp_path / "again")])["results"][0]
+    assert len(read_records(run_dir / "metrics.jsonl", "step")) == steps
+    for key in ("test_mae", "best_val_mae", "molecules_seen", "epochs", "curve"):
+        assert again[key] == first[key], key
 
 
 @pytest.mark.usefixtures("restore_threads")  # the step ratio runs on one thread

@@ -3,10 +3,10 @@
 Each suite's module docstring says what it measures. Suite options (another suite refuses them;
 they override ``--quick``'s reduced settings): ``--device`` (gpu, force_step), ``--subset N``
 (gpu, accuracy), ``--molecules-per-step N`` and ``--profile`` (gpu), ``--minutes M`` (accuracy,
-forces), ``--ours-only`` (accuracy), ``--set section.key=value`` (gpu, accuracy, forces,
-force_step), ``--config C`` (forces, force_step), ``--parallel N`` (forces), ``--variant``
-(forces: ``'NAME: key=value ...'``; gpu and force_step: a name of the module's ``VARIANTS``).
-Each writes ``SUITE.json``, ``.md`` and ``.png`` in ``--out-dir``."""
+forces), ``--ours-only`` and ``--run-dir DIR`` (accuracy), ``--set section.key=value`` (gpu,
+accuracy, forces, force_step), ``--config C`` (forces, force_step), ``--parallel N`` (forces),
+``--variant`` (forces: ``'NAME: key=value ...'``; gpu and force_step: a name of the module's
+``VARIANTS``). Each writes ``SUITE.json``, ``.md`` and ``.png`` in ``--out-dir``."""
 
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ OPTIONS = {"device": ("device", {}), "subset": ("subset", {"type": int}),
            "parallel": ("parallel", {"type": int}),
            "molecules_per_step": ("molecules_per_step", {"type": int}),
            "profile": ("profile", {"action": "store_true", "default": None}),
-           "ours_only": ("ours_only", {"action": "store_true", "default": None})}  # fmt: skip
+           "ours_only": ("ours_only", {"action": "store_true", "default": None}),
+           "run_dir": ("run_dir", {})}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -146,8 +146,11 @@ def training_step(loader: PackedLoader, backend) -> Callable[[], int]:
     return lambda: sum(r["molecules"] for r in backend.train_call(next(calls)))
 
 
-def train_for(cfg: Config, minutes: float, run_dir: Path, curve: list[str]) -> tuple[dict, dict]:
-    """``train.py``'s loop on ``cfg`` for ``minutes``: its final record and a row of its epochs."""
+def train_for(
+    cfg: Config, minutes: float, run_dir: Path, curve: list[str], fresh: bool = True
+) -> tuple[dict, dict]:
+    """``train.py``'s loop on ``cfg`` for ``minutes``: its final record and a row of its epochs
+    (``fresh=False``: resuming a run of the same config that ``run_dir`` holds)."""
     from schnet_ipu.runlog import read_records
     from schnet_ipu.training import train
 
@@ -156,7 +159,7 @@ def train_for(cfg: Config, minutes: float, run_dir: Path, curve: list[str]) -> t
                  "logging.plot=false", f"logging.run_dir={run_dir}"):  # fmt: skip
         apply_override(cfg, item)
     validate(cfg)
-    final = train(cfg, fresh=True)
+    final = train(cfg, fresh=fresh)
     epochs = read_records(Path(run_dir) / "metrics.jsonl", "epoch")
     seen = sum(r["molecules_per_s"] * r["epoch_seconds"] for r in epochs)
     points = [(r["budget_seconds"], *(r[key] for key in curve)) for r in epochs]
