@@ -26,6 +26,7 @@ from contextlib import contextmanager
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130  # Ctrl-C: the checkpoint was saved first (the shells' 128 + SIGINT)
+INTERRUPTED = "interrupted (Ctrl-C)"
 
 # Errnos of OSErrors that are the environment's fault, not a bug, besides the subclasses below.
 _EXPECTED_ERRNOS = {
@@ -111,10 +112,15 @@ def on_ctrl_c(handler: Callable[[], None]) -> Iterator[None]:
 
 def run_cli(main: Callable[[], object]) -> int:
     """Run a command's body and return its exit code (its own when it returns an int, else
-    0); user errors -> one line on stderr and exit code 2."""
+    0); user errors -> one line on stderr and exit code 2; a Ctrl-C that nothing turned
+    into a saved stop (a run's start-up, an import: both resume when run again) -> one line
+    and exit code 130."""
     try:
         result = main()
         return result if isinstance(result, int) else 0
+    except KeyboardInterrupt:
+        print(INTERRUPTED, file=sys.stderr)
+        return EXIT_INTERRUPTED
     except (UserError, OSError) as err:
         message = user_message(err)
         if message is None:

@@ -175,6 +175,17 @@ def test_child_failure_raises_in_parent_without_hanging() -> None:
         launch_replicas(failing_worker, 2)
 
 
+def interrupted_worker(rank: int) -> None:
+    raise KeyboardInterrupt  # as a Ctrl-C before the training loop takes it over
+
+
+def test_ctrl_c_in_replicas_before_training_exits_130_without_a_traceback(capfd) -> None:
+    with pytest.raises(SystemExit) as stopped:
+        launch_replicas(interrupted_worker, 2)
+    assert stopped.value.code == 130
+    assert "Traceback" not in capfd.readouterr().err
+
+
 def test_one_replica_runs_in_process() -> None:
     seen: list[int] = []
     launch_replicas(seen.append, 1)

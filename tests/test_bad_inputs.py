@@ -212,6 +212,14 @@ def test_stats_refuses_a_bad_cutoff_and_a_damaged_store(capsys, tmp_path, store)
     refused(capsys, tmp_path, lambda: data_cli(["stats", str(store)]), str(store), "record 1000")
 
 
+def test_ctrl_c_outside_a_run_is_one_line_and_exit_130(capsys) -> None:
+    def body() -> None:
+        raise KeyboardInterrupt
+
+    assert run_cli(body) == 130
+    assert capsys.readouterr().err == "interrupted (Ctrl-C)\n"
+
+
 def test_import_refuses_or_skips_invalid_records(capsys, tmp_path):
     """write_store refuses a source with bad records, naming them; with skip_invalid it
     drops them and lists their ids."""

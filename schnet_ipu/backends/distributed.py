@@ -47,6 +47,7 @@ from schnet_ipu.config import IPU_DEVICES, BackendConfig, ConfigError
 from schnet_ipu.errors import (
     EXIT_INTERRUPTED,
     EXIT_USER_ERROR,
+    INTERRUPTED,
     ReplicaWaitError,
     UserError,
     configure_logging,
@@ -355,6 +356,9 @@ def _replica_main(
             raise
         # saved and stopped at the host call every replica agreed on: a clean exit, so the
         # parent waits for all instead of terminating the others when the first one leaves
+        interrupted.put(rank)
+    except KeyboardInterrupt:  # before the training loop took Ctrl-C over: nothing to save
+        logging.getLogger("schnet_ipu").info(INTERRUPTED)
         interrupted.put(rank)
 
 
