@@ -128,13 +128,14 @@ def truncate_after(path: Path, epoch: int, call: int) -> None:
     a torn last line; the log is replaced atomically (temp file, fsync, rename). An epoch
     record's ``call`` is the host call it was validated at (a budget validates inside
     epochs), so a checkpoint at (epoch, call) keeps the records up to it (records without
-    one are whole epochs). A rollback at (epoch, call) came before the checkpoint there."""
+    one are whole epochs). The step record and a rollback at (epoch, call) came before the
+    checkpoint there (the resumed run goes on from the next call)."""
     kept = [
         r
         for r in read_records(path)
         if r["kind"] == "stage"
         or (r["kind"] == "epoch" and (r["epoch"], r.get("call", math.inf)) <= (epoch, call))
-        or (r["kind"] == "step" and (r["epoch"], r["call"]) < (epoch, call))
+        or (r["kind"] == "step" and (r["epoch"], r["call"]) <= (epoch, call))
         or (r["kind"] == "rollback" and (r["epoch"], r["call"]) <= (epoch, call))
     ]
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")

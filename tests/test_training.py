@@ -95,6 +95,9 @@ def test_ctrl_c_checkpoints_and_resume_matches_an_uninterrupted_run(qm9_small, t
         assert torch.allclose(resumed[name], value, rtol=0, atol=1e-6), name
     epochs = [r["epoch"] for r in read_records(metrics, "epoch")]
     assert epochs == [0, 1, 2]
+    # every step record once, the one of the call the checkpoint was taken at included
+    whole = read_records(tmp_path / "whole/metrics.jsonl", "step")
+    assert [r["step"] for r in read_records(metrics, "step")] == [r["step"] for r in whole]
 
 
 def spawned_replicas(launcher: int) -> list[int]:
