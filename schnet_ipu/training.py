@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 import torch
@@ -121,6 +122,11 @@ def run(cfg: Config, fresh: bool = False) -> None:
         if runlog is not None:  # rank 0 writes
             save_checkpoint(path, state.checkpoint(progress, resumable=path == last_path))
 
+    def stopped(when: str) -> NoReturn:
+        if runlog is not None:  # one line, from rank 0, which saved
+            log.warning("interrupted: saved %s %s; re-run to resume", last_path, when)
+        raise SystemExit(EXIT_INTERRUPTED)
+
     stop = StopFlag(replica.world_size)
     # Ctrl-C anywhere in an epoch (training, validation, checkpoints) is a stop request:
     # inside the training loop it stops at the next host call, later at the epoch's end
@@ -135,8 +141,7 @@ def run(cfg: Config, fresh: bool = False) -> None:
             if stop.requested:
                 progress.epoch, progress.call = epoch, stats["calls"]
                 checkpoint(last_path)
-                log.info("interrupted: saved %s at epoch %d; re-run to resume", last_path, epoch)
-                raise SystemExit(EXIT_INTERRUPTED)
+                stopped(f"at epoch {epoch}")
             with averaged(average, backend):
                 val = evaluate(task, backend, val_loader, "val", replica.world_size)
             stop.agree(budget)  # a Ctrl-C during validation, too, stops every replica
@@ -166,8 +171,7 @@ def run(cfg: Config, fresh: bool = False) -> None:
                 checkpoint(best_path)
             checkpoint(last_path)
             if stop.requested:
-                log.info("interrupted: saved %s after epoch %d; re-run to resume", last_path, epoch)
-                raise SystemExit(EXIT_INTERRUPTED)
+                stopped(f"after epoch {epoch}")
 
     if math.isinf(progress.best_mae):  # the divergence guard refused every validation
         raise TrainingError(

@@ -358,7 +358,7 @@ def _replica_main(
         # parent waits for all instead of terminating the others when the first one leaves
         interrupted.put(rank)
     except KeyboardInterrupt:  # before the training loop took Ctrl-C over: nothing to save
-        logging.getLogger("schnet_ipu").info(INTERRUPTED)
+        logging.getLogger("schnet_ipu").warning(INTERRUPTED)
         interrupted.put(rank)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import math
+import sys
 import tempfile
 import time
 from contextlib import ExitStack
@@ -20,6 +21,7 @@ import torch
 
 from schnet_ipu.bench import common, pyg
 from schnet_ipu.config import load_config
+from schnet_ipu.errors import EXIT_INTERRUPTED
 from schnet_ipu.pipeline import PreparedData, prepare_data
 from schnet_ipu.runlock import hold_run_lock
 
@@ -65,7 +67,10 @@ def run(
 ) -> dict:  # fmt: skip
     """Both sides (``ours_only``: ours alone) on ``configs/qm9.yaml`` with ``overrides``;
     ours in ``run_dir`` (resumed when it holds this run) or else in a temporary folder."""
-    shared = [f"data.path={store}", f"data.subset={subset}", *overrides]
+    shared = [f"data.path={store}", f"data.subset={subset}"]
+    if subset:  # the config's 10,000 + 10,000 held out would leave a subset nothing to train
+        shared += [f"data.val={subset // 10}", f"data.test={subset // 10}"]
+    shared += overrides
     cfg = load_config(common.PAPER_CONFIG, shared)
     with ExitStack() as stack:
         if run_dir is None:
@@ -73,7 +78,15 @@ def run(
         else:
             folder, fresh = Path(run_dir), False
             stack.enter_context(hold_run_lock(folder))  # one writer, as train.py
-        final, ours = common.train_for(cfg, minutes, folder, ["val_mae"], fresh)
+        try:
+            final, ours = common.train_for(cfg, minutes, folder, ["val_mae"], fresh)
+        except SystemExit as stop:  # a Ctrl-C: the run saved, but in a folder about to go
+            if stop.code == EXIT_INTERRUPTED and run_dir is None:
+                print(
+                    "the run's temporary folder goes with it; --run-dir keeps one to resume",
+                    file=sys.stderr,
+                )
+            raise
         rows = [{"name": "ours (configs/qm9.yaml)", "test_mae": final["test_mae"],
                  "best_val_mae": final["best_val_mae"], "molecules_seen": ours["seen"],
                  **{key: ours[key] for key in ("epochs", "seconds", "curve")}}]  # fmt: skip
