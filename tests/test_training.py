@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, TRAIN_PY, qm9_smoke_overrides
+from helpers import ROOT, TRAIN_PY, qm9_smoke_overrides, run_train
 
 from schnet_ipu.config import ConfigError, load_config
 from schnet_ipu.evaluation import evaluate_run, predict_run
@@ -271,6 +271,16 @@ def test_two_replicas_train_with_one_merged_allreduce(qm9_small, tmp_path):
     step = read_records(run_dir / "metrics.jsonl", "step")[0]
     assert step["replicas"] == 2 and step["collectives_per_step"] == 1
     assert final["test_molecules"] == 60  # both replicas' shares, each molecule once
+
+
+def test_an_error_found_in_a_replica_ends_on_its_one_line(qm9_small, tmp_path):
+    """A user error that a replica finds (here the split against the store) ends the run
+    on its one line, exit 2, without torch's note that it terminated the other replica."""
+    bad_split = ("backend.replicas=2", "data.val=300", "data.test=300")
+    result = run_train(*tiny(qm9_small, tmp_path / "run", *bad_split))
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("error: val=300")
+    assert "Terminating process" not in result.stderr
 
 
 def test_ipu_model_emulates_four_replicas_in_one_process(qm9_small, tmp_path):

@@ -276,6 +276,9 @@ def launch_replicas(fn: Callable[..., Any], replicas: int, *args: Any) -> None:
         fn(0, *args)
         return
     context = spawn_replicas(fn, replicas, *args)
+    # when one replica fails, torch terminates the others and says so in a warning line;
+    # the failure itself is what the user needs (a one-line UserError, or the traceback)
+    logging.getLogger(mp.spawn.__module__).setLevel(logging.ERROR)
     try:
         with ctrl_c_passed_to(context.pids()):
             while not context.join():
