@@ -130,7 +130,7 @@ def run(cfg: Config, fresh: bool = False) -> None:
     stop = StopFlag(replica.world_size)
     # Ctrl-C anywhere in an epoch (training, validation, checkpoints) is a stop request:
     # inside the training loop it stops at the next host call, later at the epoch's end
-    with ctrl_c_requests_stop(stop):
+    with on_ctrl_c(stop.request):
         # an epoch is validated at its end, or (with a budget) in chunks of at most 10% of it
         while progress.epoch < cfg.optim.epochs and not budget.exhausted():
             epoch, first_call = progress.epoch, progress.call
@@ -351,14 +351,18 @@ def averaged(average: WeightAverage | None, backend: Backend):
 
 @dataclass
 class StopFlag:
-    """Ctrl-C as a stop request. ``seen``: this process got one (the handler of
-    :func:`ctrl_c_requests_stop` sets it). Replicas see a Ctrl-C at different host calls (or
-    only one of them gets a ``kill -INT``) but must stop at the same one, so with several a
-    request counts once :meth:`agree` found it on any of them; alone, at once."""
+    """Ctrl-C as a stop request, honoured between host calls so the checkpoint is exact.
+    ``seen``: this process got one (:meth:`request` is the run's Ctrl-C handler). Replicas
+    see a Ctrl-C at different host calls (or only one of them gets a ``kill -INT``) but must
+    stop at the same one, so with several a request counts once :meth:`agree` found it on
+    any of them; alone, at once."""
 
     world_size: int = 1
     seen: bool = False
     agreed: bool = False
+
+    def request(self) -> None:
+        self.seen = True
 
     @property
     def requested(self) -> bool:
@@ -370,14 +374,3 @@ class StopFlag:
         seen_anywhere, *maxima = budget.agree([float(self.seen), *shared])
         self.agreed = seen_anywhere > 0
         return maxima
-
-
-@contextmanager
-def ctrl_c_requests_stop(stop: StopFlag):
-    """Turn Ctrl-C into a request honoured between host calls, so the checkpoint is exact."""
-
-    def handle() -> None:
-        stop.seen = True
-
-    with on_ctrl_c(handle):
-        yield
