@@ -1,5 +1,6 @@
 """The CUDA path's CPU-testable parts: backend.precision (fp32, tf32, bf16) trains SchNet on
-the CPU, bf16 keeps distances, softplus and sums in fp32, and backend.cuda_graphs is off (or
+the CPU, bf16 keeps distances, softplus and sums in fp32 and predicts in fp32, and
+backend.cuda_graphs is off (or
 a clear error) without CUDA. The captured step itself needs a GPU (see bench gpu)."""
 
 from __future__ import annotations
@@ -83,6 +84,20 @@ def test_bf16_keeps_distances_softplus_and_sums_in_fp32() -> None:
     assert prediction.dtype == loss.dtype == torch.float32  # fp32 readout and loss
     loss.backward()
     assert all(p.grad.dtype == torch.float32 for p in model.parameters() if p.grad is not None)
+
+
+def test_bf16_trains_but_predicts_in_fp32() -> None:
+    """Validation and test measure the model as the calculator runs it: in fp32."""
+    model = schnet()
+    backend = TorchBackend(
+        model, torch.optim.Adam(model.parameters()), schnet_loss, precision="bf16"
+    )
+    predicted = backend.predict(BATCHES[0])
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(predicted, model(BATCHES[0]))
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # what predict ran before
+            assert not torch.equal(predicted, model(BATCHES[0]))
 
 
 def test_cuda_graphs_auto_is_off_on_cpu() -> None:

@@ -11,8 +11,9 @@ On CUDA the whole optimiser step is captured once as a CUDA graph and replayed
 device tensor until the caller reads it.
 
 ``precision``: ``fp32``; ``tf32`` (CUDA matmuls in TensorFloat-32; the same as fp32 on a CPU);
-``bf16`` (``torch.autocast`` to bfloat16 around the forward pass and loss, fp32 master weights
-and optimiser; the model keeps distances, softplus and sums in fp32).
+``bf16`` (``torch.autocast`` to bfloat16 around the training forward pass and loss, fp32 master
+weights and optimiser; the model keeps distances, softplus and sums in fp32). Predictions
+(validation, test) always run in fp32.
 """
 
 from __future__ import annotations
@@ -265,12 +266,13 @@ class TorchBackend:
 
     @torch.no_grad()
     def predict(self, batch: Batch) -> Tensor:
-        """Predictions [G] for one batch, in eval mode, returned on the host."""
+        """Predictions [G] for one batch, in eval mode, returned on the host. In fp32
+        whatever ``precision`` trains: validation and test measure the model as the
+        calculator and the export run it."""
         self._shapes.prediction.check(batch)
         self.model.eval()
         batch = self._to_device(batch)
-        with self._matmul_precision(), self._autocast():
-            return self._run("predict", lambda model: model(batch)).cpu()
+        return self._run("predict", lambda model: model(batch)).cpu()
 
     def _train_loss(self, batch: Batch) -> Tensor:
         """Forward pass and loss [] of one device batch: with ``compile`` one compiled
