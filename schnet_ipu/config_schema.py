@@ -133,6 +133,7 @@ class BackendConfig:
     executable_cache: str = ""  # PopTorch executable cache; "" = <run_dir>/executables
     cuda_graphs: str = "auto"  # whole step as one CUDA graph: auto (on for cuda) | true | false
     precision: str = "fp32"  # fp32 | tf32 (CUDA matmuls) | bf16 (autocast, fp32 weights)
+    # | auto (bf16 on a CPU with bf16 dot products, else fp32)
 
 
 @dataclass
@@ -180,7 +181,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "backend.device": ("auto", "cpu", "cuda", *IPU_DEVICES),
     "backend.dist_backend": ("auto", "gloo", "nccl"),
     "backend.cuda_graphs": ("auto", "true", "false"),
-    "backend.precision": ("fp32", "tf32", "bf16"),
+    "backend.precision": ("fp32", "tf32", "bf16", "auto"),
     "logging.wandb_mode": ("disabled", "offline", "online"),
 }
 

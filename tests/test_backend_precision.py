@@ -10,7 +10,7 @@ import torch
 from test_backend import make_batch
 from torch import Tensor, nn
 
-from schnet_ipu.backends import TorchBackend, make_backend
+from schnet_ipu.backends import TorchBackend, cpu_multiplies_bf16, make_backend, resolve_precision
 from schnet_ipu.batch import Batch
 from schnet_ipu.config import BackendConfig, ConfigError
 from schnet_ipu.model import SchNet
@@ -149,3 +149,39 @@ def test_capture_warm_up_is_undone_before_the_first_real_step(resumed: bool) -> 
     for got, want in zip(optimizer.state.values(), reference_optimizer.state.values(), strict=True):
         for key in want:
             torch.testing.assert_close(got[key], want[key], rtol=0, atol=0)
+
+
+# /proc/cpuinfo lines as Linux writes them (shortened): an AMD Zen 4, an Intel Skylake-SP
+# (AVX-512 without bf16 dot products), an Arm Neoverse V1 and a Cortex-A72
+ZEN4 = (
+    "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512bw avx512vl avx512_bf16 avx512_vnni\n"
+)
+SKYLAKE = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512dq avx512bw avx512vl\n"
+NEOVERSE_V1 = "processor\t: 0\nFeatures\t: fp asimd evtstrm aes sve asimdfhm bf16 i8mm\n"
+CORTEX_A72 = "processor\t: 0\nFeatures\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 cpuid\n"
+
+
+def test_bf16_dot_products_are_read_from_cpuinfo_flags() -> None:
+    assert cpu_multiplies_bf16(ZEN4) and cpu_multiplies_bf16(NEOVERSE_V1)
+    assert not cpu_multiplies_bf16(SKYLAKE) and not cpu_multiplies_bf16(CORTEX_A72)
+    assert not cpu_multiplies_bf16("model name\t: bf16 in a name is not a flag\n")
+
+
+def test_auto_precision_is_bf16_only_on_a_cpu_that_multiplies_bf16() -> None:
+    native = cpu_multiplies_bf16()  # this machine's /proc/cpuinfo
+    assert resolve_precision("auto", "cpu") == ("bf16" if native else "fp32")
+    assert resolve_precision("auto", "cuda") == resolve_precision("auto", "ipu") == "fp32"
+    assert [resolve_precision(p, "cpu") for p in ("fp32", "tf32", "bf16")] == [
+        "fp32", "tf32", "bf16"
+    ]  # fmt: skip
+
+
+def test_the_ipu_emulator_refuses_bf16_and_runs_auto_in_fp32() -> None:
+    model = schnet()
+    optimizer = torch.optim.Adam(model.parameters())
+    with pytest.raises(ConfigError, match="use fp32 with PopTorch"):
+        make_backend(BackendConfig(device="ipu-model", precision="bf16"), model, optimizer,
+                     schnet_loss, device="cpu")  # fmt: skip
+    backend = make_backend(BackendConfig(device="ipu-model", precision="auto"), model, optimizer,
+                           schnet_loss, device="cpu")  # fmt: skip
+    assert not isinstance(backend, TorchBackend)

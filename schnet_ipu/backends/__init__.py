@@ -126,6 +126,37 @@ def select_device(name: str) -> str:
     return name
 
 
+def resolve_precision(setting: str, device: str) -> str:
+    """``backend.precision`` as run on ``device`` ("cpu", "cuda", or an IPU one): ``auto`` is
+    bf16 on a CPU with bf16 dot-product instructions (:func:`cpu_multiplies_bf16`), where
+    its matmuls run ~3x faster than fp32 (a QM9 step 1.6x), and fp32 elsewhere: on a CPU
+    without them bf16 is emulated, GPUs have not measured it against fp32 yet, and PopTorch
+    takes fp32 only."""
+    if setting != "auto":
+        return setting
+    precision = "bf16" if device == "cpu" and cpu_multiplies_bf16() else "fp32"
+    log.info("backend.precision=auto: %s on %s", precision, device)
+    return precision
+
+
+def cpu_multiplies_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether the CPU has bf16 dot-product instructions: x86 AVX512-BF16 or AMX-BF16, or
+    Arm's BF16, by the flags of ``cpuinfo`` (Linux's /proc/cpuinfo when None; False where
+    there is none to read)."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as file:
+                cpuinfo = file.read()
+        except OSError:
+            return False
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):  # x86, Arm
+            flags.update(value.split())
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
 def make_backend(
     backend_cfg: BackendConfig,
     model: nn.Module,
@@ -147,15 +178,17 @@ def make_backend(
     a :class:`Backend`.
     """
     device = device or select_device(backend_cfg.device)
+    emulated = backend_cfg.device == "ipu-model"  # PopTorch's rules on the CPU
+    precision = resolve_precision(backend_cfg.precision, "ipu" if emulated else device)
+    if precision != "fp32" and (device in IPU_DEVICES or emulated):
+        raise ConfigError("backend.precision applies to cpu and cuda; use fp32 with PopTorch")
     if device in IPU_DEVICES:
-        if backend_cfg.precision != "fp32":
-            raise ConfigError("backend.precision applies to cpu and cuda; use fp32 with PopTorch")
         from schnet_ipu.backends.poptorch_backend import PoptorchBackend
 
         return PoptorchBackend(
             backend_cfg, model, optimizer, loss_fn, replica, prefetch, seed, cache_dir
         )
-    if backend_cfg.device == "ipu-model":  # no PopTorch: emulate it on the CPU
+    if emulated:  # no PopTorch: emulate it on the CPU
         from schnet_ipu.backends.ipu_emulator import IpuEmulatorBackend
 
         return IpuEmulatorBackend(
@@ -179,6 +212,6 @@ def make_backend(
         compile=backend_cfg.compile,
         grad_clip=grad_clip,
         replica=replica,
-        precision=backend_cfg.precision,
+        precision=precision,
         cuda_graphs=use_cuda_graphs(backend_cfg.cuda_graphs, device),
     )
