@@ -1,7 +1,7 @@
-"""The CUDA path's CPU-testable parts: backend.precision (fp32, tf32, bf16) trains SchNet on
-the CPU, bf16 keeps distances, softplus and sums in fp32 and predicts in fp32, and
-backend.cuda_graphs is off (or
-a clear error) without CUDA. The captured step itself needs a GPU (see bench gpu)."""
+"""The CUDA path's CPU-testable parts: backend.precision (fp32, tf32, bf16, auto) trains
+SchNet on the CPU, bf16 keeps distances, softplus and sums in fp32 and predicts in fp32,
+auto picks bf16 only on a CPU with bf16 dot products, and backend.cuda_graphs is off (or a
+clear error) without CUDA. The captured step itself needs a GPU (see bench gpu)."""
 
 from __future__ import annotations
 
