@@ -1,7 +1,8 @@
 """Minutes into accuracy: a wall-clock budget for training, and an average of the weights.
 
     budget = Budget(minutes=cfg.optim.max_minutes, spent=checkpoint_seconds)
-    budget.start()                 # at the first host call of this process
+    budget.start()                 # at each chunk of host calls
+    budget.pause()                 # after its validation: the count a checkpoint records
     budget.agree()                 # replicas: all read the slowest one's clock from here on
     budget.agree([loss])           # ... and the largest of their values, in the same collective
     budget.next_validation()       # count at which to pause and validate (each 10% of it)
@@ -13,9 +14,11 @@
         ...
 
 The budget counts the seconds of the training loop in every process of a run: steps (with
-the first step's compilation), validation and checkpoint writes; the seconds of earlier
-processes come back from the checkpoint, so a resumed run ends at the same total. Data
-preparation and the final test are not counted.
+the first step's compilation) and validation; the seconds of earlier processes come back
+from the checkpoint, so a resumed run ends at the same total. The clock pauses after each
+validation, so the count a checkpoint records is the one the loop then decides on: a run
+that stopped because its budget was spent is spent when resumed too. Data preparation,
+checkpoint writes and the final test are not counted.
 """
 
 from __future__ import annotations
@@ -56,6 +59,12 @@ class Budget:
     def start(self) -> None:
         if self._since is None:
             self._since = time.perf_counter()
+
+    def pause(self) -> None:
+        """Stop the clock until the next :meth:`start`; what ran so far joins ``spent``."""
+        if self._since is not None:
+            self.spent += time.perf_counter() - self._since
+            self._since = None
 
     def _own_seconds(self) -> float:
         running = 0.0 if self._since is None else time.perf_counter() - self._since

@@ -144,6 +144,7 @@ def run(cfg: Config, fresh: bool = False) -> None:
                 stopped(f"at epoch {epoch}")
             with averaged(average, backend):
                 val = evaluate(task, backend, val_loader, "val", replica.world_size)
+            budget.pause()  # the count from here to the next chunk: checkpoints record it
             stop.agree(budget)  # a Ctrl-C during validation, too, stops every replica
             calls = stats["calls"]
             spike = None

@@ -67,6 +67,34 @@ def test_budget_stops_the_run_and_a_resume_keeps_the_total(store, tmp_path, monk
     assert seconds == sorted(set(seconds)) and records[0]["epoch"] == 0
 
 
+def test_a_finished_budget_stays_finished_when_its_checkpoint_was_slow(store, tmp_path, monkeypatch):
+    """The count a checkpoint records is the one the loop stops on: a first checkpoint
+    write that outlasts the whole 3 s budget neither ends the run early nor leaves a
+    ``last.pt`` that says budget is left, and the same command again trains nothing."""
+    import time
+
+    from schnet_ipu import training
+
+    save = training.save_checkpoint
+
+    def slow_first_save(path, state):
+        if not getattr(slow_first_save, "done", False):
+            slow_first_save.done = True
+            time.sleep(3.5)  # longer than the budget: not training, so not counted
+        save(path, state)
+
+    monkeypatch.setattr(training, "save_checkpoint", slow_first_save)
+    run_dir, budget = tmp_path / "run", 0.05  # minutes
+    args = (f"optim.max_minutes={budget}", "optim.epochs=10000", "logging.log_every=1")
+    first = train(tiny(store, run_dir, *args))
+    spent = torch.load(run_dir / "checkpoints/last.pt", weights_only=True)["budget_seconds"]
+    assert spent >= 60 * budget and first["budget_seconds"] == spent
+    steps = read_records(run_dir / "metrics.jsonl", "step")
+    assert len(read_records(run_dir / "metrics.jsonl", "epoch")) > 1  # it went on after the write
+    train(tiny(store, run_dir, *args))
+    assert read_records(run_dir / "metrics.jsonl", "step") == steps
+
+
 def test_a_budget_validates_within_epochs_that_outlast_a_tenth_of_it(store, tmp_path, monkeypatch):
     """A wide model on 220 molecules, one pack per step, for 6 s: an epoch (~2 s here) takes
     longer than a tenth of the budget, so the loop pauses to validate inside epochs and goes
