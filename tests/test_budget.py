@@ -67,7 +67,7 @@ def test_budget_stops_the_run_and_a_resume_keeps_the_total(store, tmp_path, monk
     assert seconds == sorted(set(seconds)) and records[0]["epoch"] == 0
 
 
-def test_a_finished_budget_stays_finished_when_its_checkpoint_was_slow(store, tmp_path, monkeypatch):
+def test_a_spent_budget_stays_spent_when_its_checkpoint_was_slow(store, tmp_path, monkeypatch):
     """The count a checkpoint records is the one the loop stops on: a first checkpoint
     write that outlasts the whole 3 s budget neither ends the run early nor leaves a
     ``last.pt`` that says budget is left, and the same command again trains nothing."""
