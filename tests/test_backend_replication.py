@@ -8,6 +8,8 @@ batches with equal molecule counts is the same reduction (mean over replicas of 
 
 from __future__ import annotations
 
+import atexit
+import os
 import time
 from pathlib import Path
 
@@ -184,6 +186,16 @@ def test_ctrl_c_in_replicas_before_training_exits_130_without_a_traceback(capfd)
         launch_replicas(interrupted_worker, 2)
     assert stopped.value.code == 130
     assert "Traceback" not in capfd.readouterr().err
+
+
+def aborts_at_teardown(rank: int) -> None:
+    atexit.register(os.abort)  # as native state failing to tear down at the process's exit
+
+
+def test_a_finished_replica_exits_without_the_interpreters_teardown() -> None:
+    """A replica that finished its work leaves at once: a crash the interpreter's teardown
+    would meet afterwards cannot turn a complete run into a failed one."""
+    launch_replicas(aborts_at_teardown, 2)  # else: process 0 terminated with SIGABRT
 
 
 def test_one_replica_runs_in_process() -> None:
