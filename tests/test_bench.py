@@ -32,7 +32,9 @@ def check_report(report: dict, suite: str, out_dir: Path, module) -> dict:
     loaded = json.loads(json_path.read_text())
     assert set(loaded) >= {"suite", "machine", "commit", "results", "ratios"}
     assert loaded["suite"] == suite
-    assert {"cpu", "cores", "torch", "gpu", "python"} <= set(loaded["machine"])
+    assert {"cpu", "cores", "cpu_bf16", "torch", "gpu", "python"} <= set(loaded["machine"])
+    native = "yes" if loaded["machine"]["cpu_bf16"] else "no"  # auto's bf16 rests on it
+    assert f"bf16 dot products {native}," in (out_dir / f"{suite}.md").read_text()
     assert loaded["results"]
     for ext in ("json", "md", "png"):
         assert (out_dir / f"{suite}.{ext}").stat().st_size > 0

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from schnet_ipu import components
-from schnet_ipu.backends import init_replica
+from schnet_ipu.backends import cpu_multiplies_bf16, init_replica
 from schnet_ipu.config import Config, ModelConfig, apply_override, validate
 from schnet_ipu.data import MoleculeStore, generate_water, make_split
 from schnet_ipu.loader import PackedLoader
@@ -177,6 +177,7 @@ def machine() -> dict[str, Any]:
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     load = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "cpu_bf16": cpu_multiplies_bf16(),  # what backend.precision=auto decides on
             "torch": torch.__version__, "gpu": gpu, "python": platform.python_version(),
             "load_average": load}  # fmt: skip
 
@@ -209,6 +210,7 @@ def to_markdown(report: dict, columns: list[str]) -> str:
         f"# schnet_ipu.bench {report['suite']}",
         "",
         f"Machine: {m['cpu']}, {m['cores']} cores ({m['torch_threads']} torch threads), "
+        f"bf16 dot products {'yes' if m.get('cpu_bf16') else 'no'}, "
         f"torch {m['torch']}, GPU {m['gpu']}, Python {m['python']}, "
         f"load average {m['load_average']}; commit {report['commit']}.",
         "",
