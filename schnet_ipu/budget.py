@@ -62,9 +62,7 @@ class Budget:
 
     def pause(self) -> None:
         """Stop the clock until the next :meth:`start`; what ran so far joins ``spent``."""
-        if self._since is not None:
-            self.spent += time.perf_counter() - self._since
-            self._since = None
+        self.spent, self._since = self._own_seconds(), None
 
     def _own_seconds(self) -> float:
         running = 0.0 if self._since is None else time.perf_counter() - self._since

@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import Killed, kill_after_first_checkpoint, qm9_rows, smoke_overrides
 
+from schnet_ipu import training
 from schnet_ipu.budget import Budget, WeightAverage
 from schnet_ipu.components import make_optimizer, make_scheduler, peak_lr
 from schnet_ipu.config import ConfigError, load_config
@@ -71,17 +73,12 @@ def test_a_spent_budget_stays_spent_when_its_checkpoint_was_slow(store, tmp_path
     """The count a checkpoint records is the one the loop stops on: a first checkpoint
     write that outlasts the whole 3 s budget neither ends the run early nor leaves a
     ``last.pt`` that says budget is left, and the same command again trains nothing."""
-    import time
-
-    from schnet_ipu import training
-
     save = training.save_checkpoint
 
     def slow_first_save(path, state):
-        if not getattr(slow_first_save, "done", False):
-            slow_first_save.done = True
-            time.sleep(3.5)  # longer than the budget: not training, so not counted
+        time.sleep(3.5)  # longer than the budget: not training, so not counted
         save(path, state)
+        monkeypatch.setattr(training, "save_checkpoint", save)  # the others at full speed
 
     monkeypatch.setattr(training, "save_checkpoint", slow_first_save)
     run_dir, budget = tmp_path / "run", 0.05  # minutes

@@ -169,15 +169,15 @@ def train_for(
 
 
 def machine() -> dict[str, Any]:
-    cpu = platform.processor() or platform.machine()
+    cpu, cpuinfo = platform.processor() or platform.machine(), ""
     with contextlib.suppress(OSError):
-        names = [line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                 if line.startswith("model name")]  # fmt: skip
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+        names = [line for line in cpuinfo.splitlines() if line.startswith("model name")]
         cpu = names[0].split(":", 1)[1].strip() if names else cpu
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     load = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "cpu_bf16": cpu_multiplies_bf16(),  # what backend.precision=auto decides on
+            "cpu_bf16": cpu_multiplies_bf16(cpuinfo),  # what backend.precision=auto reads
             "torch": torch.__version__, "gpu": gpu, "python": platform.python_version(),
             "load_average": load}  # fmt: skip
 
