@@ -9,6 +9,7 @@ batches with equal molecule counts is the same reduction (mean over replicas of 
 from __future__ import annotations
 
 import atexit
+import io
 import os
 import time
 from pathlib import Path
@@ -20,6 +21,7 @@ import torch.multiprocessing as mp
 from test_backend import TinyModel, make_batch
 from test_backend import masked_mse as tiny_loss
 from torch import Tensor, nn
+from tqdm import tqdm
 
 from schnet_ipu.backends import (
     ReplicaInfo,
@@ -196,6 +198,24 @@ def test_a_finished_replica_exits_without_the_interpreters_teardown() -> None:
     """A replica that finished its work leaves at once: a crash the interpreter's teardown
     would meet afterwards cannot turn a complete run into a failed one."""
     launch_replicas(aborts_at_teardown, 2)  # else: process 0 terminated with SIGABRT
+
+
+def shows_a_progress_bar(rank: int) -> None:
+    for _ in tqdm(range(2), file=io.StringIO()):
+        pass
+
+
+def named_semaphores() -> set[str]:
+    return {path.name for path in Path("/dev/shm").glob("sem.mp-*")}
+
+
+def test_a_finished_replica_leaves_no_named_semaphore_behind() -> None:
+    """Since a replica skips the interpreter's teardown, nothing it made may need it: a
+    named semaphore left in /dev/shm is removed only by the resource tracker at the
+    launcher's exit, with a warning after the run's last line."""
+    before = named_semaphores()
+    launch_replicas(shows_a_progress_bar, 2)
+    assert named_semaphores() <= before
 
 
 def test_one_replica_runs_in_process() -> None:

@@ -153,6 +153,7 @@ def test_ctrl_c_stops_two_replicas_at_one_call_and_resume_matches(
             os.killpg(process.pid, signal.SIGKILL)
     assert process.returncode == 130, stderr
     assert "Traceback" not in stderr and "re-run to resume" in stderr, stderr
+    assert "leaked" not in stderr, stderr  # the resource tracker cleaned up after a replica
     saved = torch.load(interrupted / "checkpoints/last.pt", weights_only=False)
     assert (saved["epoch"], saved["call"]) < (3, 0)
 

@@ -29,6 +29,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -42,6 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import Tensor, nn
+from tqdm import tqdm
 
 from schnet_ipu.backends.shared_memory import SharedMemoryReduction
 from schnet_ipu.config import IPU_DEVICES, BackendConfig, ConfigError
@@ -351,6 +353,9 @@ def _replica_main(
     torch.set_num_threads(max(1, torch.get_num_threads() // replicas))  # share the host's cores
     configure_logging(log_level if rank == 0 else max(log_level, logging.WARNING))
     faulthandler.enable()  # a crash in native code still prints where each thread was
+    # a replica's progress bars are its own: tqdm's default lock is a named semaphore that
+    # the exit below would leave for the resource tracker to remove (with a warning)
+    tqdm.set_lock(threading.RLock())
     try:
         fn(rank, *args)
     except UserError as err:  # the parent reports it as one line, not a child's traceback
