@@ -1,5 +1,6 @@
 """The CUDA path's CPU-testable parts: backend.precision (fp32, tf32, bf16, auto) trains
-SchNet on the CPU, bf16 keeps distances, softplus and sums in fp32 and predicts in fp32,
+SchNet on the CPU, bf16 keeps distances, softplus, sums, filter tables and the readout in
+fp32 and predicts in fp32,
 auto picks bf16 only on a CPU with bf16 dot products, and backend.cuda_graphs is off (or a
 clear error) without CUDA. The captured step itself needs a GPU (see bench gpu)."""
 
@@ -14,7 +15,9 @@ from schnet_ipu.backends import TorchBackend, cpu_multiplies_bf16, make_backend,
 from schnet_ipu.batch import Batch
 from schnet_ipu.config import BackendConfig, ConfigError
 from schnet_ipu.model import SchNet
+from schnet_ipu.model import schnet as schnet_module
 from schnet_ipu.model.blocks import GaussianSmearing, ShiftedSoftplus
+from schnet_ipu.model.filter_table import filter_tables
 from schnet_ipu.task import masked_mse
 
 BATCHES = [make_batch(seed, packs=3) for seed in range(3)]
@@ -72,18 +75,43 @@ def test_bf16_keeps_distances_softplus_and_sums_in_fp32() -> None:
 
         return hook
 
+    readout = (model.lin1, model.lin2)
     for module in model.modules():
-        if isinstance(module, (GaussianSmearing, ShiftedSoftplus, nn.Linear)):
+        if any(module is layer for layer in readout):
+            module.register_forward_hook(record("readout"))
+        elif isinstance(module, (GaussianSmearing, ShiftedSoftplus, nn.Linear)):
             module.register_forward_hook(record(type(module).__name__))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         prediction = model(BATCHES[0])
         loss = schnet_loss(model, BATCHES[0])
     assert seen["Linear"] == {torch.bfloat16}  # autocast is on
+    assert seen["readout"] == {torch.float32}  # atom energies: no bf16 rounding before the sum
     assert seen["GaussianSmearing"] == {torch.float32}
     assert seen["ShiftedSoftplus"] == {torch.float32}
     assert prediction.dtype == loss.dtype == torch.float32  # fp32 readout and loss
     loss.backward()
     assert all(p.grad.dtype == torch.float32 for p in model.parameters() if p.grad is not None)
+
+
+def test_bf16_computes_the_filter_tables_in_fp32(monkeypatch) -> None:
+    """A table is a few hundred rows per step: in fp32 it costs little, and in bf16 its
+    rounding reached every pair's filter (with the readout, half the bf16 forward's
+    difference from fp32 on a trained QM9 model: 3.3 meV RMS against 1.8 without both)."""
+    torch.manual_seed(0)
+    model = SchNet(
+        16, 16, 2, 8, cutoff=5.0, graph="knn", k=4, max_nodes_per_pack=10, filter="table"
+    )
+    autocast_seen: list[bool] = []
+
+    def spy(*args, **kwargs) -> tuple[Tensor, Tensor]:
+        autocast_seen.append(torch.is_autocast_enabled("cpu"))
+        return filter_tables(*args, **kwargs)
+
+    monkeypatch.setattr(schnet_module, "filter_tables", spy)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(BATCHES[0])
+    model(BATCHES[0])
+    assert autocast_seen == [False, False]
 
 
 def test_bf16_trains_but_predicts_in_fp32() -> None:

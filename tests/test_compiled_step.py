@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from schnet_ipu.backends import TorchBackend
 from schnet_ipu.batch import Batch
+from schnet_ipu.model import SchNet
 from schnet_ipu.task import masked_mse
 
 
@@ -27,13 +28,18 @@ class TracedLoss:
         return masked_mse(model(batch), batch.y, batch.graph_mask, 1.0)
 
 
-def train(compile_backend: str | None, calls: int = 3) -> tuple[TorchBackend, TracedLoss]:
+def train(
+    compile_backend: str | None,
+    calls: int = 3,
+    model: nn.Module | None = None,
+    precision: str = "fp32",
+) -> tuple[TorchBackend, TracedLoss]:
     """``calls`` host calls of 2 accumulated micro-batches; compiled unless None."""
-    model = schnet()
+    model = model or schnet()
     loss = TracedLoss()
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     backend = TorchBackend(
-        model, optimizer, loss, gradient_accumulation=2, grad_clip=10.0,
+        model, optimizer, loss, gradient_accumulation=2, grad_clip=10.0, precision=precision,
         compile=compile_backend is not None, compile_backend=compile_backend or "inductor",
     )  # fmt: skip
     for call in range(calls):
@@ -51,6 +57,18 @@ def test_compiled_step_traces_the_loss_and_never_recompiles() -> None:
     for batch in BATCHES:
         backend.train_call([batch, batch])
     assert backend.compiled_graphs == graphs and backend.recompilations == 0
+
+
+def test_bf16_with_the_tabulated_filter_compiles_in_one_graph() -> None:
+    """The model's fp32 regions inside bf16 autocast (filter tables, readout) are nested
+    autocast contexts, which dynamo traces without a graph break."""
+    torch.manual_seed(0)
+    table = SchNet(
+        16, 16, 2, 8, cutoff=5.0, graph="knn", k=4, max_nodes_per_pack=10, filter="table"
+    )
+    backend, loss = train("eager", model=table, precision="bf16")
+    assert loss.traced.item() == 1.0
+    assert backend.compiled_graphs == 1 and backend.recompilations == 0
 
 
 @pytest.mark.slow

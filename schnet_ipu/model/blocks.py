@@ -13,6 +13,7 @@ dense [M, M] pair blocks (:mod:`.dense`) or from a table (:mod:`.filter_table`).
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import NamedTuple
 
 import torch
@@ -27,6 +28,15 @@ from schnet_ipu.model.ops import Ops, naive_shifted_softplus
 def widen(x: Tensor) -> Tensor:
     """``x`` in fp32 if autocast made it bf16 or fp16; fp32 and fp64 pass unchanged."""
     return x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
+
+
+def full_precision(x: Tensor) -> AbstractContextManager:
+    """A region whose ops run in the dtype of their inputs under autocast, on ``x``'s device
+    (a nested ``torch.autocast(enabled=False)``, the documented way to exempt a region); a
+    no-op on devices autocast does not know (PopTorch's)."""
+    if x.device.type not in ("cpu", "cuda"):
+        return nullcontext()
+    return torch.autocast(x.device.type, enabled=False)
 
 
 class ShiftedSoftplus(nn.Module):

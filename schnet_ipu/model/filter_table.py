@@ -99,8 +99,6 @@ def filter_tables(
     cut_slope = (-0.5 * math.pi / cutoff * torch.sin(angle)).unsqueeze(-1)
     values = out * cut
     slopes = out_slope * cut + out * cut_slope
-    if values.dtype in (torch.bfloat16, torch.float16):  # autocast: interpolate in fp32
-        return values.float(), slopes.float()
     return values, slopes
 
 

@@ -42,7 +42,7 @@ from schnet_ipu.model.blocks import (
     InteractionBlock,
     ShiftedSoftplus,
     TabulatedEdges,
-    widen,
+    full_precision,
 )
 from schnet_ipu.model.dense import dense_graph
 from schnet_ipu.model.filter_table import filter_tables
@@ -253,9 +253,10 @@ class SchNet(nn.Module):
         block_edges: list[ExactEdges] | list[TabulatedEdges]
         if self.filter == "table":
             mlps = [interaction.mlp for interaction in self.interactions]
-            values, slopes = filter_tables(  # [B, K, F]
-                mlps, self.distance_expansion, self.cutoff, self.filter_points
-            )
+            with full_precision(dist):  # bf16 tables would be rounded, and cost little less
+                values, slopes = filter_tables(  # [B, K, F]
+                    mlps, self.distance_expansion, self.cutoff, self.filter_points
+                )
             block_edges = [  # unbind's backward is one stack; a select's zero-fills [B, K, F]
                 TabulatedEdges(dist, edge_mask, block_values, block_slopes, self.cutoff)
                 for block_values, block_slopes in zip(values.unbind(0), slopes.unbind(0))
@@ -268,7 +269,8 @@ class SchNet(nn.Module):
         for interaction, edges in zip(self.interactions, block_edges):
             h = h + interaction(h, edge_index, edges, knn)
 
-        out = widen(self.lin2(self.act(self.lin1(h)))).view(num_nodes)  # [N], fp32 readout
+        with full_precision(h):  # [N]: atom energies in fp32, as their sum
+            out = self.lin2(self.act(self.lin1(h))).view(num_nodes)
         out = out * self.std + self.mean
         if self.atomref is not None:
             out = out + self.atomref(batch.z).view(num_nodes)
