@@ -13,8 +13,7 @@ device tensor until the caller reads it.
 ``precision``: ``fp32``; ``tf32`` (CUDA matmuls in TensorFloat-32; the same as fp32 on a CPU);
 ``bf16`` (``torch.autocast`` to bfloat16 around the training forward pass and loss, fp32 master
 weights and optimiser; the model keeps distances, softplus, sums, filter tables and the
-readout in fp32). Predictions
-(validation, test) always run in fp32.
+readout in fp32). Predictions (validation, test) always run in fp32.
 """
 
 from __future__ import annotations
