@@ -1,8 +1,8 @@
 """The CUDA path's CPU-testable parts: backend.precision (fp32, tf32, bf16, auto) trains
 SchNet on the CPU, bf16 keeps distances, softplus, sums, filter tables and the readout in
-fp32 and predicts in fp32,
-auto picks bf16 only on a CPU with bf16 dot products, and backend.cuda_graphs is off (or a
-clear error) without CUDA. The captured step itself needs a GPU (see bench gpu)."""
+fp32 and predicts in fp32, auto picks bf16 only on a CPU with bf16 dot products, and
+backend.cuda_graphs is off (or a clear error) without CUDA. The captured step itself needs
+a GPU (see bench gpu)."""
 
 from __future__ import annotations
 

@@ -35,7 +35,7 @@ def train(
     precision: str = "fp32",
 ) -> tuple[TorchBackend, TracedLoss]:
     """``calls`` host calls of 2 accumulated micro-batches; compiled unless None."""
-    model = model or schnet()
+    model = model if model is not None else schnet()
     loss = TracedLoss()
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     backend = TorchBackend(
