@@ -45,7 +45,7 @@ def open_run_dir(
         truncate_after(run_dir / "metrics.jsonl", resumed.epoch, resumed.call)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(cfg.to_yaml())
-    runlog = RunLog(run_dir, cfg)
+    runlog = RunLog(run_dir, cfg, resumed=resumed is not None)
     if resumed is None:
         runlog.write("stage", **{f"{k}_seconds": v for k, v in timings.items()})
     return runlog

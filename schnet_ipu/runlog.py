@@ -29,11 +29,17 @@ from schnet_ipu.errors import RunDirError
 
 log = logging.getLogger("schnet_ipu")
 
+WANDB_ID_FILE = "wandb_run_id"
+
 
 class RunLog:
-    """Appends records to ``run_dir/metrics.jsonl`` and mirrors them to wandb when enabled."""
+    """Appends records to ``run_dir/metrics.jsonl`` and mirrors them to wandb when enabled.
 
-    def __init__(self, run_dir: Path, cfg: Config) -> None:
+    A resumed run continues its wandb run: the id wandb gave it is kept in
+    ``run_dir/wandb_run_id`` (wandb resumes a run only by its id, ``resume="allow"``).
+    """
+
+    def __init__(self, run_dir: Path, cfg: Config, resumed: bool) -> None:
         self.path = run_dir / "metrics.jsonl"
         self.wandb = None
         if cfg.logging.wandb_mode != "disabled":
@@ -44,13 +50,17 @@ class RunLog:
                     f"logging.wandb_mode={cfg.logging.wandb_mode} needs the wandb package: "
                     "pip install 'schnet-ipu[wandb]'"
                 ) from err
+            id_path = run_dir / WANDB_ID_FILE
+            run_id = id_path.read_text().strip() if resumed and id_path.exists() else None
             self.wandb = wandb.init(
                 project="schnet-ipu",
                 dir=str(run_dir),
+                id=run_id,
                 mode=cfg.logging.wandb_mode,
                 config=cfg.to_dict(),
                 resume="allow",
             )
+            id_path.write_text(self.wandb.id + "\n")
 
     def write(self, kind: str, **fields: Any) -> None:
         """Append one record, whole or not at all: a write that fails part-way (disk full,
@@ -61,9 +71,13 @@ class RunLog:
             numbers = {f"{kind}/{k}": v for k, v in record.items() if isinstance(v, (int, float))}
             self.wandb.log(numbers)
 
-    def close(self) -> None:
+    def close(self, exit_code: int = 0) -> None:
+        """Finish the wandb run (a non-zero ``exit_code`` marks it failed; a resume goes on
+        with it). Needed on every way out: a stopped replica leaves by ``os._exit``, which
+        skips wandb's own exit hook."""
         if self.wandb is not None:
-            self.wandb.finish()
+            self.wandb.finish(exit_code=exit_code)
+            self.wandb = None
 
 
 def append_whole(path: Path, data: bytes) -> None:

@@ -125,6 +125,7 @@ def run(cfg: Config, fresh: bool = False) -> None:
     def stopped(when: str) -> NoReturn:
         if runlog is not None:  # one line, from rank 0, which saved
             log.warning("interrupted: saved %s %s; re-run to resume", last_path, when)
+            runlog.close(exit_code=EXIT_INTERRUPTED)
         raise SystemExit(EXIT_INTERRUPTED)
 
     stop = StopFlag(replica.world_size)

@@ -164,6 +164,31 @@ def test_ctrl_c_stops_two_replicas_at_one_call_and_resume_matches(
     assert [r["epoch"] for r in read_records(metrics, "epoch")] == [0, 1, 2]
 
 
+def test_a_stopped_replicated_run_finishes_its_wandb_run_and_the_resume_continues_it(
+    qm9_small, tmp_path
+):
+    """wandb (offline) with two replicas: a Ctrl-C finishes rank 0's wandb run before the
+    replica leaves by ``os._exit`` (wandb prints how to sync it only from ``finish``), and
+    the resumed run logs to the same wandb run id, not a new one."""
+    pytest.importorskip("wandb")
+    run_dir = tmp_path / "run"
+    command = [*TRAIN_PY, *tiny(qm9_small, run_dir, *TWO_REPLICAS, "logging.wandb_mode=offline")]
+    process = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not read_records(run_dir / "metrics.jsonl", "step") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130, stderr
+    assert "wandb sync" in stderr, stderr  # the summary wandb.finish prints
+
+    resumed = subprocess.run(command, cwd=ROOT, stderr=subprocess.PIPE, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    run_id = (run_dir / "wandb_run_id").read_text().strip()
+    sittings = sorted((run_dir / "wandb").glob("offline-run-*"))
+    assert len(sittings) == 2 and all(d.name.endswith(f"-{run_id}") for d in sittings), sittings
+
+
 def test_ctrl_c_during_validation_finishes_the_epoch_then_stops(qm9_small, tmp_path, monkeypatch):
     """Ctrl-C outside the training loop (here: in validation) is a stop request too: the
     epoch ends with its record and checkpoint, the run exits 130 without a traceback, and a
