@@ -72,7 +72,7 @@ class RunLog:
             self.wandb.log(numbers)
 
     def close(self, exit_code: int = 0) -> None:
-        """Finish the wandb run (a non-zero ``exit_code`` marks it failed; a resume goes on
+        """Finish the wandb run (with ``exit_code``, as the process exits; a resume goes on
         with it). Needed on every way out: a stopped replica leaves by ``os._exit``, which
         skips wandb's own exit hook."""
         if self.wandb is not None:
