@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -115,6 +116,18 @@ def run_train(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
         [*TRAIN_PY, *args], cwd=ROOT, env=repo_env(), capture_output=True, text=True,
         timeout=timeout,
     )  # fmt: skip
+
+
+def wait_for(condition, proc: subprocess.Popen, what: str, timeout_s: float = 300) -> None:
+    """Poll ``condition`` until it holds; fail if ``proc`` exits first or ``timeout_s``
+    passes (``proc`` runs with ``stderr=PIPE``, which the failure shows)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert proc.poll() is None, (
+            f"exited ({proc.returncode}) before {what}: {proc.stderr.read()}"
+        )
+        assert time.monotonic() < deadline, f"no {what} after {timeout_s} s"
+        time.sleep(0.05)
 
 
 def whole_records(run_dir: Path) -> list[dict]:

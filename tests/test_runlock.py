@@ -19,6 +19,7 @@ from helpers import (
     repo_env,
     run_train,
     smoke_overrides,
+    wait_for,
     whole_records,
 )
 
@@ -48,16 +49,6 @@ def start(args: list[str]) -> subprocess.Popen:
         [*TRAIN_PY, *args], env=repo_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True,
     )  # fmt: skip
-
-
-def wait_for(condition, proc: subprocess.Popen, what: str, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert proc.poll() is None, (
-            f"exited ({proc.returncode}) before {what}: {proc.stderr.read()}"
-        )
-        assert time.monotonic() < deadline, f"no {what} after {timeout_s} s"
-        time.sleep(0.05)
 
 
 def epochs_once(run_dir: Path) -> list[int]:

@@ -6,12 +6,11 @@ import csv
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, TRAIN_PY, qm9_smoke_overrides, run_train
+from helpers import ROOT, TRAIN_PY, qm9_smoke_overrides, run_train, wait_for
 
 from schnet_ipu.config import ConfigError, load_config
 from schnet_ipu.evaluation import evaluate_run, predict_run
@@ -80,9 +79,7 @@ def test_ctrl_c_checkpoints_and_resume_matches_an_uninterrupted_run(qm9_small, t
     command = [*TRAIN_PY, *tiny(qm9_small, interrupted, "optim.epochs=3")]
     process = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True)
     metrics = interrupted / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while not read_records(metrics, "step") and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: read_records(metrics, "step"), process, "a step record", timeout_s=120)
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=120)
     assert process.returncode == 130, stderr
@@ -137,9 +134,7 @@ def test_ctrl_c_stops_two_replicas_at_one_call_and_resume_matches(
         command, cwd=ROOT, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
     metrics = interrupted / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while not read_records(metrics, "step") and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: read_records(metrics, "step"), process, "a step record", timeout_s=120)
     if reaches == "the terminal's group":
         os.killpg(process.pid, signal.SIGINT)
     elif reaches == "the launcher":
@@ -174,9 +169,8 @@ def test_a_stopped_replicated_run_finishes_its_wandb_run_and_the_resume_continue
     run_dir = tmp_path / "run"
     command = [*TRAIN_PY, *tiny(qm9_small, run_dir, *TWO_REPLICAS, "logging.wandb_mode=offline")]
     process = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while not read_records(run_dir / "metrics.jsonl", "step") and time.monotonic() < deadline:
-        time.sleep(0.05)
+    metrics = run_dir / "metrics.jsonl"
+    wait_for(lambda: read_records(metrics, "step"), process, "a step record", timeout_s=120)
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=120)
     assert process.returncode == 130, stderr
