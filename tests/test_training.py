@@ -70,6 +70,18 @@ def test_run_directory_contract(qm9_small, tmp_path):
     assert all(float(r["target"]) < -40 for r in rows)
 
 
+def interrupt_after_first_step(command: list[str], run_dir: Path) -> str:
+    """Run ``command`` (``train.py`` into ``run_dir``) until its first step record, Ctrl-C
+    it, check it exits 130 and return its stderr."""
+    process = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    wait_for(lambda: read_records(metrics, "step"), process, "a step record", timeout_s=120)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130, stderr
+    return stderr
+
+
 def test_ctrl_c_checkpoints_and_resume_matches_an_uninterrupted_run(qm9_small, tmp_path):
     overrides = tiny(qm9_small, tmp_path / "whole", "optim.epochs=3")
     train(load_config(None, overrides))
@@ -77,12 +89,8 @@ def test_ctrl_c_checkpoints_and_resume_matches_an_uninterrupted_run(qm9_small, t
 
     interrupted = tmp_path / "interrupted"
     command = [*TRAIN_PY, *tiny(qm9_small, interrupted, "optim.epochs=3")]
-    process = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    interrupt_after_first_step(command, interrupted)
     metrics = interrupted / "metrics.jsonl"
-    wait_for(lambda: read_records(metrics, "step"), process, "a step record", timeout_s=120)
-    process.send_signal(signal.SIGINT)
-    _, stderr = process.communicate(timeout=120)
-    assert process.returncode == 130, stderr
     saved = torch.load(interrupted / "checkpoints/last.pt", weights_only=False)
     assert (saved["epoch"], saved["call"]) < (3, 0)
 
@@ -168,12 +176,7 @@ def test_a_stopped_replicated_run_finishes_its_wandb_run_and_the_resume_continue
     pytest.importorskip("wandb")
     run_dir = tmp_path / "run"
     command = [*TRAIN_PY, *tiny(qm9_small, run_dir, *TWO_REPLICAS, "logging.wandb_mode=offline")]
-    process = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True)
-    metrics = run_dir / "metrics.jsonl"
-    wait_for(lambda: read_records(metrics, "step"), process, "a step record", timeout_s=120)
-    process.send_signal(signal.SIGINT)
-    _, stderr = process.communicate(timeout=120)
-    assert process.returncode == 130, stderr
+    stderr = interrupt_after_first_step(command, run_dir)
     assert "wandb sync" in stderr, stderr  # the summary wandb.finish prints
 
     resumed = subprocess.run(command, cwd=ROOT, stderr=subprocess.PIPE, text=True, timeout=300)
