@@ -118,16 +118,17 @@ def run_train(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
-def wait_for(condition, proc: subprocess.Popen, what: str, timeout_s: float = 300) -> None:
-    """Poll ``condition`` until it holds; fail if ``proc`` exits first or ``timeout_s``
-    passes (``proc`` runs with ``stderr=PIPE``, which the failure shows)."""
+def wait_for(condition, procs: list[subprocess.Popen], what: str, timeout_s: float = 300) -> None:
+    """Poll ``condition`` until it holds; fail if one of ``procs`` exits first or ``timeout_s``
+    passes (the failure shows a process's stderr where it is a pipe)."""
     deadline = time.monotonic() + timeout_s
     while not condition():
-        assert proc.poll() is None, (
-            f"exited ({proc.returncode}) before {what}: {proc.stderr.read()}"
-        )
+        for proc in procs:
+            if proc.poll() is not None:
+                output = proc.stderr.read() if proc.stderr else "(stderr not piped)"
+                raise AssertionError(f"exited ({proc.returncode}) before {what}: {output}")
         assert time.monotonic() < deadline, f"no {what} after {timeout_s} s"
-        time.sleep(0.05)
+        time.sleep(0.02)
 
 
 def whole_records(run_dir: Path) -> list[dict]:

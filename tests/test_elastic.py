@@ -19,12 +19,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import ROOT, random_store, repo_env, run_outcome, smoke_overrides
+from helpers import ROOT, random_store, repo_env, run_outcome, smoke_overrides, wait_for
 
 from schnet_ipu.backends.distributed import free_port
 
@@ -124,14 +123,6 @@ def worker_of_rank(agents: list[subprocess.Popen], rank: int) -> int:
     raise AssertionError(f"no worker of rank {rank} among the agents' children")
 
 
-def wait_until(condition, agents: list[subprocess.Popen], what: str) -> None:
-    deadline = time.monotonic() + 300
-    while not condition():
-        assert all(a.poll() is None for a in agents), f"the job ended before {what}"
-        assert time.monotonic() < deadline, f"no {what} within 300 s"
-        time.sleep(0.02)
-
-
 def in_epoch_one(run_dir: Path) -> bool:
     """last.pt exists and epoch 1 has logged a step but not its epoch record."""
     if not (run_dir / "checkpoints/last.pt").exists():
@@ -144,7 +135,7 @@ def in_epoch_one(run_dir: Path) -> bool:
 def test_killed_run_resumes_to_the_uninterrupted_log(store, uninterrupted, tmp_path, killed):
     run_dir = tmp_path / "run"
     agents = start_job(store, run_dir)
-    wait_until(lambda: in_epoch_one(run_dir), agents, "a step of epoch 1")
+    wait_for(lambda: in_epoch_one(run_dir), agents, "a step of epoch 1")
     if killed == "whole job":  # every agent and worker at once, then resubmitted
         workers = [worker_of_rank(agents, rank) for rank in (0, 1)]  # own sessions: by pid
         for pid in [*workers, *(a.pid for a in agents)]:

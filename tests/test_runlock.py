@@ -62,7 +62,7 @@ def test_a_second_run_on_a_held_folder_is_refused(store, tmp_path):
     run_dir = tmp_path / "run"
     first = start(train_args(store, run_dir))
     lock = lock_path(run_dir)
-    wait_for(lambda: read_holder(lock) is not None, first, "the first run's lock")
+    wait_for(lambda: read_holder(lock) is not None, [first], "the first run's lock")
     began = time.perf_counter()
     second = run_train(*train_args(store, run_dir), timeout=120)
     refused_after = time.perf_counter() - began
@@ -94,7 +94,7 @@ def test_the_lock_of_a_sigkilled_run_is_taken_over(store, tmp_path):
     start warns, takes it over, resumes, and ends with every epoch once."""
     run_dir = tmp_path / "run"
     killed = start(train_args(store, run_dir))
-    wait_for((run_dir / "checkpoints/last.pt").exists, killed, "a first checkpoint")
+    wait_for((run_dir / "checkpoints/last.pt").exists, [killed], "a first checkpoint")
     killed.send_signal(signal.SIGKILL)
     killed.wait()
     assert read_holder(lock_path(run_dir))["pid"] == killed.pid

@@ -75,7 +75,7 @@ def interrupt_after_first_step(command: list[str], run_dir: Path) -> str:
     it, check it exits 130 and return its stderr."""
     process = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True)
     metrics = run_dir / "metrics.jsonl"
-    wait_for(lambda: read_records(metrics, "step"), process, "a step record", timeout_s=120)
+    wait_for(lambda: read_records(metrics, "step"), [process], "a step record", timeout_s=120)
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=120)
     assert process.returncode == 130, stderr
@@ -142,7 +142,7 @@ def test_ctrl_c_stops_two_replicas_at_one_call_and_resume_matches(
         command, cwd=ROOT, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
     metrics = interrupted / "metrics.jsonl"
-    wait_for(lambda: read_records(metrics, "step"), process, "a step record", timeout_s=120)
+    wait_for(lambda: read_records(metrics, "step"), [process], "a step record", timeout_s=120)
     if reaches == "the terminal's group":
         os.killpg(process.pid, signal.SIGINT)
     elif reaches == "the launcher":
