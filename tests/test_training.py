@@ -72,12 +72,19 @@ def test_run_directory_contract(qm9_small, tmp_path):
 
 def interrupt_after_first_step(command: list[str], run_dir: Path) -> str:
     """Run ``command`` (``train.py`` into ``run_dir``) until its first step record, Ctrl-C
-    it, check it exits 130 and return its stderr."""
-    process = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    it, check it exits 130 and return its stderr. Whatever fails, nothing it started (replicas
+    included: one process group) is left running."""
+    process = subprocess.Popen(
+        command, cwd=ROOT, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     metrics = run_dir / "metrics.jsonl"
-    wait_for(lambda: read_records(metrics, "step"), [process], "a step record", timeout_s=120)
-    process.send_signal(signal.SIGINT)
-    _, stderr = process.communicate(timeout=120)
+    try:
+        wait_for(lambda: read_records(metrics, "step"), [process], "a step record", timeout_s=120)
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
     assert process.returncode == 130, stderr
     return stderr
 
@@ -142,17 +149,17 @@ def test_ctrl_c_stops_two_replicas_at_one_call_and_resume_matches(
         command, cwd=ROOT, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
     metrics = interrupted / "metrics.jsonl"
-    wait_for(lambda: read_records(metrics, "step"), [process], "a step record", timeout_s=120)
-    if reaches == "the terminal's group":
-        os.killpg(process.pid, signal.SIGINT)
-    elif reaches == "the launcher":
-        process.send_signal(signal.SIGINT)
-    else:
-        os.kill(max(spawned_replicas(process.pid)), signal.SIGINT)
     try:
+        wait_for(lambda: read_records(metrics, "step"), [process], "a step record", timeout_s=120)
+        if reaches == "the terminal's group":
+            os.killpg(process.pid, signal.SIGINT)
+        elif reaches == "the launcher":
+            process.send_signal(signal.SIGINT)
+        else:
+            os.kill(max(spawned_replicas(process.pid)), signal.SIGINT)
         _, stderr = process.communicate(timeout=120)
     finally:
-        if process.poll() is None:  # a replica left waiting on the other: the bug
+        if process.poll() is None:  # a replica left waiting on the other (the bug) or a failure
             os.killpg(process.pid, signal.SIGKILL)
     assert process.returncode == 130, stderr
     assert "Traceback" not in stderr and "re-run to resume" in stderr, stderr
