@@ -72,7 +72,12 @@ def final_line(final: dict, run_dir: Path) -> str:
 
 def run_command(command: str, argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog=f"train.py {command}")
-    parser.add_argument("--run", type=Path, help="run directory")
+    if command == "evaluate":
+        parser.add_argument(
+            "--run", type=Path, action="append", help="run directory (repeat for an ensemble)"
+        )
+    else:
+        parser.add_argument("--run", type=Path, help="run directory")
     parser.add_argument("--split", default="test", choices=("train", "val", "test"))
     parser.set_defaults(model=None, input=None, out=None)
     if command == "predict":
@@ -92,6 +97,13 @@ def run_command(command: str, argv: list[str]) -> int:
             "--input", type=Path, help="ASE-readable structures: writes them as extxyz to --out"
         )
     args = parser.parse_args(argv)
+    if command == "evaluate" and args.run and len(args.run) > 1:
+        from schnet_ipu.evaluation import evaluate_ensemble
+
+        print(json.dumps(evaluate_ensemble(args.run, args.split), indent=2))  # reads only
+        return 0
+    if command == "evaluate" and args.run:
+        args.run = args.run[0]
     models = args.model or ([args.run] if args.run else [])
     if not models:
         parser.error("give --run RUN" + (" or --model FILE" if command == "predict" else ""))

@@ -47,6 +47,8 @@ class DataConfig:
     subset: int = 0  # use only this many molecules (random, from the seed); 0 = all
     val: float = 0.1  # validation share: a fraction (< 1) or a count (>= 1)
     test: float = 0.1  # test share: a fraction (< 1) or a count (>= 1)
+    split_seed: int = -1  # seed of the split (and subset); -1 = the run's seed. Members of an
+    # ensemble: different seeds, one split_seed, so that no member trains on the others' test set
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
     metrics = evaluate(task, backend, loader, "val", world_size)   # every metric, one pass
     result = evaluate_run(Path("runs/qm9_quickstart"), "test")   # metrics + parity plots
+    result = evaluate_ensemble([Path("runs/seed0"), Path("runs/seed1")], "test")  # their mean
     rows = predict_run(Path("runs/qm9_quickstart"), "test", Path("preds.csv"))
 
 One loop (:func:`predictions`) serves training's validation and test and the finished runs:
@@ -251,6 +252,45 @@ def evaluate_run(run_dir: Path, split: str = "test") -> dict:
     pictures = evaluation_plots(run_dir, split, energy, data.unit, forces, data.store.forces_unit)
     result["pictures"] = [str(p) for p in pictures]
     return result
+
+
+def evaluate_ensemble(run_dirs: list[Path], split: str = "test") -> dict:
+    """Errors of the mean energy of several runs' best weights on a split they share (members
+    trained with different seeds and one ``data.split_seed``), beside each member's own.
+    Energies only: a force task's ensemble is evaluated through the calculator."""
+    predicted, targets, indices, store, units = [], None, None, None, set()
+    for run_dir in run_dirs:
+        cfg, data, host, task = load_run(run_dir)
+        if task.with_forces:
+            raise ConfigError(f"{run_dir} trains forces: evaluate an ensemble of energy runs")
+        if indices is None:
+            indices, store = data.split[split], Path(data.store.path).resolve()
+        elif Path(data.store.path).resolve() != store or not np.array_equal(
+            data.split[split], indices
+        ):
+            raise ConfigError(
+                f"{run_dir}'s {split} split differs from {run_dirs[0]}'s: train the members "
+                "of an ensemble with one data.split_seed (and the same data settings)"
+            )
+        raw = data.store.target(cfg.data.target)  # each member's own references undone
+        by_index = np.empty(len(raw))
+        for part in predictions(task, host, make_loader(cfg, data, split)):
+            by_index[part.index] = part.energy + raw[part.index] - part.energy_true
+        predicted.append(by_index[indices])
+        targets = raw[indices]
+        units.add(data.unit)
+    if len(units) > 1:
+        raise ConfigError(f"the members use different energy units: {sorted(units)}")
+    errors = np.mean(predicted, axis=0) - targets
+    return {
+        "split": split,
+        "members": [str(r) for r in run_dirs],
+        "molecules": len(errors),
+        "mae": float(np.abs(errors).mean()),
+        "rmse": float(np.sqrt(np.square(errors).mean())),
+        "member_mae": [float(np.abs(p - targets).mean()) for p in predicted],
+        "unit": units.pop(),
+    }
 
 
 def predict_run(run_dir: Path, split: str, out: Path) -> int:

@@ -114,8 +114,9 @@ def prepare_data(cfg: Config) -> PreparedData:
             )
     with stage("split", timings):
         try:
+            split_seed = cfg.seed if cfg.data.split_seed < 0 else cfg.data.split_seed
             split = load_or_make_split(
-                store.path, len(store), cfg.data.val, cfg.data.test, cfg.seed, cfg.data.subset
+                store.path, len(store), cfg.data.val, cfg.data.test, split_seed, cfg.data.subset
             )
         except StoreError:
             raise  # a damaged split file: its message names the file

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import os
 import signal
 import subprocess
@@ -13,7 +14,7 @@ import torch
 from helpers import ROOT, TRAIN_PY, qm9_smoke_overrides, run_train, wait_for
 
 from schnet_ipu.config import ConfigError, load_config
-from schnet_ipu.evaluation import evaluate_run, predict_run
+from schnet_ipu.evaluation import evaluate_ensemble, evaluate_run, predict_run
 from schnet_ipu.runlog import read_records
 from schnet_ipu.training import TrainingError, train
 
@@ -68,6 +69,43 @@ def test_run_directory_contract(qm9_small, tmp_path):
     assert mae == pytest.approx(final["test_mae"], rel=1e-3)
     # the CSV holds the store's own target (U0, about -400 eV), not the shifted one
     assert all(float(r["target"]) < -40 for r in rows)
+
+
+def predicted_by_index(csv_path: Path) -> dict[int, tuple[float, float]]:
+    return {
+        int(r["index"]): (float(r["prediction"]), float(r["target"]))
+        for r in csv.DictReader(csv_path.open())
+    }
+
+
+def test_an_ensemble_of_two_seeds_on_one_split_is_the_mean_of_its_members(qm9_small, tmp_path):
+    """Members trained with seeds 0 and 1 and one ``data.split_seed`` share their test split;
+    ``train.py evaluate --run A --run B`` scores the mean of their energies. A run whose split came
+    from its own seed is refused (it trained on some of the others' test molecules)."""
+    members = [tmp_path / "seed0", tmp_path / "seed1"]
+    for seed, run_dir in enumerate(members):
+        train(load_config(None, tiny(qm9_small, run_dir, f"seed={seed}", "data.split_seed=5")))
+    command = run_train("evaluate", *(f"--run={r}" for r in members))
+    assert command.returncode == 0, command.stderr
+    result = json.loads(command.stdout)
+    assert result == evaluate_ensemble(members, "test")
+
+    each = []
+    for run_dir in members:
+        out = tmp_path / f"{run_dir.name}.csv"
+        predict_run(run_dir, "test", out)
+        each.append(predicted_by_index(out))
+    assert each[0].keys() == each[1].keys() and len(each[0]) == result["molecules"] == 60
+    mean_errors = [abs((each[0][i][0] + each[1][i][0]) / 2 - each[0][i][1]) for i in each[0]]
+    assert result["mae"] == pytest.approx(sum(mean_errors) / len(mean_errors), abs=2e-6)
+    for run_dir, member_mae in zip(members, result["member_mae"]):
+        assert member_mae == pytest.approx(evaluate_run(run_dir, "test")["mae"], rel=1e-6)
+    assert result["mae"] not in result["member_mae"]  # two different models were averaged
+
+    own_split = tmp_path / "own_split"
+    train(load_config(None, tiny(qm9_small, own_split, "seed=1")))
+    with pytest.raises(ConfigError, match="own_split's test split differs"):
+        evaluate_ensemble([members[0], own_split], "test")
 
 
 def interrupt_after_first_step(command: list[str], run_dir: Path) -> str:
