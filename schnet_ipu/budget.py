@@ -147,10 +147,14 @@ class WeightAverage:
                     p.copy_(raw[name])
 
     def averaged_state_dict(self) -> dict[str, Tensor]:
-        """The model's state dict with the averaged parameters (what a model file holds)."""
-        state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        state.update({k: v.clone() for k, v in self.shadow.items()})
-        return state
+        """The model's state dict with the averaged parameters (what a model file holds). A
+        parameter the state dict lists under several names (PyG's ``interactions.i.mlp`` is
+        also ``interactions.i.conv.nn``) is averaged under every one of them."""
+        averaged = {id(p): self.shadow[name] for name, p in self._parameters().items()}
+        return {
+            key: averaged.get(id(value), value).detach().clone()
+            for key, value in self.model.state_dict(keep_vars=True).items()
+        }
 
     def state(self) -> dict[str, Any]:
         return {"decay": self.decay, "updates": self.updates}

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import Tensor, nn
 
 from schnet_ipu.config import ConfigError, config_from_dict
 from schnet_ipu.errors import CheckpointError
@@ -126,6 +127,18 @@ def is_torchscript(path: Path) -> bool:
         return False
     with zipfile.ZipFile(path) as archive:
         return any("/code/" in name for name in archive.namelist())
+
+
+def load_model_state(model: nn.Module, state: dict[str, Tensor]) -> None:
+    """``model.load_state_dict(state)``, where a parameter listed under several names takes
+    the value under the name ``named_parameters`` gives it (``interactions.i.mlp``, not its
+    alias ``interactions.i.conv.nn``). Files written with weight averaging before the average
+    covered the alias hold the averaged filter weights there and the raw ones under the
+    alias: this loads the model their validation measured."""
+    model.load_state_dict(state)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            parameter.copy_(state[name])
 
 
 @contextmanager

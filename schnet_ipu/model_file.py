@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from schnet_ipu.checkpoint import load_checkpoint, restoring
+from schnet_ipu.checkpoint import load_checkpoint, load_model_state, restoring
 from schnet_ipu.config import ConfigError, ModelConfig
 from schnet_ipu.errors import CheckpointError
 from schnet_ipu.model import SchNet
@@ -132,5 +132,5 @@ def load_trained(path: str | Path, checkpoint: str = "best") -> TrainedModel:
     spec = ModelSpec.from_dict(state["model_spec"], path)
     model = spec.build_model()
     with restoring(path):
-        model.load_state_dict(state["model"])
+        load_model_state(model, state["model"])
     return TrainedModel(model.eval(), spec, path, state["config"])

@@ -42,7 +42,7 @@ from schnet_ipu.backends.distributed import (
     shutdown_replica,
 )
 from schnet_ipu.budget import Budget, WeightAverage
-from schnet_ipu.checkpoint import load_checkpoint, save_checkpoint
+from schnet_ipu.checkpoint import load_checkpoint, load_model_state, save_checkpoint
 from schnet_ipu.components import make_scheduler, make_trainer, model_spec
 from schnet_ipu.config import Config
 from schnet_ipu.errors import EXIT_INTERRUPTED, TrainingError, on_ctrl_c
@@ -181,7 +181,7 @@ def run(cfg: Config, fresh: bool = False) -> None:
             "to test; lower optim.lr"
         )
     if runlog is not None:  # rank 0 wrote best.pt; the others get its weights through the group
-        model.load_state_dict(load_checkpoint(best_path)["model"])
+        load_model_state(model, load_checkpoint(best_path)["model"])
     if replica.world_size > 1:
         broadcast_parameters(model)
     backend.after_host_weight_load()

@@ -12,9 +12,11 @@ from helpers import Killed, kill_after_first_checkpoint, qm9_rows, smoke_overrid
 
 from schnet_ipu import training
 from schnet_ipu.budget import Budget, WeightAverage
+from schnet_ipu.checkpoint import load_model_state
 from schnet_ipu.components import make_optimizer, make_scheduler, peak_lr
 from schnet_ipu.config import ConfigError, load_config
 from schnet_ipu.evaluation import evaluate_run
+from schnet_ipu.model import SchNet
 from schnet_ipu.runlog import read_records
 from schnet_ipu.training import train
 
@@ -176,6 +178,38 @@ def test_average_follows_the_weights_from_the_start():
     with average.swapped_in():
         torch.testing.assert_close(model.weight.detach(), expected)
     torch.testing.assert_close(model.weight.detach(), expected - (1 - 2 / 11) + 1.0)
+
+
+def test_a_model_file_averages_the_filter_networks_under_both_their_names():
+    """PyG's SchNet lists each interaction's filter network twice (``mlp`` and ``conv.nn``,
+    one module). The averaged state dict holds the average under both names, so a model
+    loaded from it is the model validation measured; a file that holds the raw weights under
+    the alias (written before) loads its averaged ones."""
+    torch.manual_seed(0)
+    model = SchNet(hidden_channels=8, num_filters=8, num_interactions=2, graph="radius")
+    fresh = SchNet(hidden_channels=8, num_filters=8, num_interactions=2, graph="radius")
+    average = WeightAverage(model, decay=0.5)
+    with torch.no_grad():
+        for step in range(3):  # the average lags the weights, which move on after it
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+            if step < 2:
+                average.update()
+    state = average.averaged_state_dict()
+    aliases = [k for k in state if ".conv.nn." in k]
+    assert len(aliases) == 8
+    for alias in aliases:
+        torch.testing.assert_close(state[alias], state[alias.replace("conv.nn", "mlp")])
+    load_model_state(fresh, state)
+    with average.swapped_in():
+        for (name, p), q in zip(model.named_parameters(), fresh.parameters()):
+            torch.testing.assert_close(q, p, rtol=0, atol=0, msg=name)
+
+    raw = model.state_dict()
+    old_file = {k: raw[k] if k in aliases else v for k, v in state.items()}
+    load_model_state(fresh, old_file)
+    for name, p in fresh.named_parameters():
+        torch.testing.assert_close(p, average.shadow[name], rtol=0, atol=0, msg=name)
 
 
 def test_ema_decay_outside_0_1_is_refused():
