@@ -272,12 +272,11 @@ def evaluate_ensemble(run_dirs: list[Path], split: str = "test") -> dict:
                 f"{run_dir}'s {split} split differs from {run_dirs[0]}'s: train the members "
                 "of an ensemble with one data.split_seed (and the same data settings)"
             )
-        raw = data.store.target(cfg.data.target)  # each member's own references undone
-        by_index = np.empty(len(raw))
-        for part in predictions(task, host, make_loader(cfg, data, split)):
-            by_index[part.index] = part.energy + raw[part.index] - part.energy_true
-        predicted.append(by_index[indices])
-        targets = raw[indices]
+        by_index = np.empty((2, len(data.store)))  # predicted, true
+        for index, prediction, target in store_energies(cfg, data, host, task, split):
+            by_index[:, index] = prediction, target
+        predicted.append(by_index[0, indices])
+        targets = by_index[1, indices]
         units.add(data.unit)
     if len(units) > 1:
         raise ConfigError(f"the members use different energy units: {sorted(units)}")
@@ -293,22 +292,30 @@ def evaluate_ensemble(run_dirs: list[Path], split: str = "test") -> dict:
     }
 
 
+def store_energies(
+    cfg: Config, data: PreparedData, host: HostModel, task: Task, split: str
+) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Each batch's store indices, predicted and true energies [M] in the store's own target
+    (the atom references the model's target subtracts, added back)."""
+    raw = data.store.target(cfg.data.target)
+    for part in predictions(task, host, make_loader(cfg, data, split)):
+        shift = raw[part.index] - part.energy_true
+        yield part.index, part.energy + shift, part.energy_true + shift
+
+
 def predict_run(run_dir: Path, split: str, out: Path) -> int:
     """Write index, target, prediction, error per molecule (the store's own target) to CSV."""
     if not out.parent.is_dir():  # before the slow part, and naming ``out``, not a temp file
         raise FileNotFoundError(errno.ENOENT, "no such folder", str(out))
     cfg, data, host, task = load_run(run_dir)
-    raw = data.store.target(cfg.data.target)
     rows = 0
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")  # out appears whole or not at all
     try:
         with tmp.open("w", newline="") as f:
             writer = csv.writer(f)
             writer.writerow(["index", "target", "prediction", "error", "unit"])
-            for part in predictions(task, host, make_loader(cfg, data, split)):
-                shift = raw[part.index] - part.energy_true  # the atom references subtracted
-                prediction, target = part.energy + shift, part.energy_true + shift
-                for i, p, t in zip(part.index, prediction, target):
+            for index, prediction, target in store_energies(cfg, data, host, task, split):
+                for i, p, t in zip(index, prediction, target):
                     writer.writerow([int(i), f"{t:.6f}", f"{p:.6f}", f"{p - t:.6f}", data.unit])
                     rows += 1
         os.replace(tmp, out)

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -108,17 +109,22 @@ def test_an_ensemble_of_two_seeds_on_one_split_is_the_mean_of_its_members(qm9_sm
         evaluate_ensemble([members[0], own_split], "test")
 
 
-def interrupt_after_first_step(command: list[str], run_dir: Path) -> str:
-    """Run ``command`` (``train.py`` into ``run_dir``) until its first step record, Ctrl-C
-    it, check it exits 130 and return its stderr. Whatever fails, nothing it started (replicas
-    included: one process group) is left running."""
+def interrupt_after_first_step(
+    command: list[str],
+    run_dir: Path,
+    interrupt: Callable[[subprocess.Popen], None] = lambda p: p.send_signal(signal.SIGINT),
+) -> str:
+    """Run ``command`` (``train.py`` into ``run_dir``) in a process group of its own until its
+    first step record, ``interrupt`` it (default: SIGINT to the launcher), check it exits 130
+    and return its stderr. Whatever fails (a replica left waiting on the other included),
+    nothing it started is left running."""
     process = subprocess.Popen(
         command, cwd=ROOT, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
     metrics = run_dir / "metrics.jsonl"
     try:
         wait_for(lambda: read_records(metrics, "step"), [process], "a step record", timeout_s=120)
-        process.send_signal(signal.SIGINT)
+        interrupt(process)
         _, stderr = process.communicate(timeout=120)
     finally:
         if process.poll() is None:
@@ -183,23 +189,16 @@ def test_ctrl_c_stops_two_replicas_at_one_call_and_resume_matches(
     same command resumes to the weights of an uninterrupted run."""
     interrupted = tmp_path / "interrupted"
     command = [*TRAIN_PY, *tiny(qm9_small, interrupted, *TWO_REPLICAS)]
-    process = subprocess.Popen(
-        command, cwd=ROOT, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
-    metrics = interrupted / "metrics.jsonl"
-    try:
-        wait_for(lambda: read_records(metrics, "step"), [process], "a step record", timeout_s=120)
+
+    def interrupt(launcher: subprocess.Popen) -> None:
         if reaches == "the terminal's group":
-            os.killpg(process.pid, signal.SIGINT)
+            os.killpg(launcher.pid, signal.SIGINT)
         elif reaches == "the launcher":
-            process.send_signal(signal.SIGINT)
+            launcher.send_signal(signal.SIGINT)
         else:
-            os.kill(max(spawned_replicas(process.pid)), signal.SIGINT)
-        _, stderr = process.communicate(timeout=120)
-    finally:
-        if process.poll() is None:  # a replica left waiting on the other (the bug) or a failure
-            os.killpg(process.pid, signal.SIGKILL)
-    assert process.returncode == 130, stderr
+            os.kill(max(spawned_replicas(launcher.pid)), signal.SIGINT)
+
+    stderr = interrupt_after_first_step(command, interrupted, interrupt)
     assert "Traceback" not in stderr and "re-run to resume" in stderr, stderr
     assert "leaked" not in stderr, stderr  # the resource tracker cleaned up after a replica
     saved = torch.load(interrupted / "checkpoints/last.pt", weights_only=False)
@@ -209,7 +208,7 @@ def test_ctrl_c_stops_two_replicas_at_one_call_and_resume_matches(
     resumed = weights(interrupted)
     for name, value in two_replicas_uninterrupted.items():
         assert torch.allclose(resumed[name], value, rtol=0, atol=1e-6), name
-    assert [r["epoch"] for r in read_records(metrics, "epoch")] == [0, 1, 2]
+    assert [r["epoch"] for r in read_records(interrupted / "metrics.jsonl", "epoch")] == [0, 1, 2]
 
 
 def test_a_stopped_replicated_run_finishes_its_wandb_run_and_the_resume_continues_it(
