@@ -257,29 +257,31 @@ def evaluate_run(run_dir: Path, split: str = "test") -> dict:
 def evaluate_ensemble(run_dirs: list[Path], split: str = "test") -> dict:
     """Errors of the mean energy of several runs' best weights on a split they share (members
     trained with different seeds and one ``data.split_seed``), beside each member's own.
-    Energies only: a force task's ensemble is evaluated through the calculator."""
-    predicted, targets, indices, store, units = [], None, None, None, set()
+    The members must predict one target of one store (hence one unit). Energies only: a
+    force task's ensemble is evaluated through the calculator."""
+    predicted, targets, indices, target_of = [], None, None, None
     for run_dir in run_dirs:
         cfg, data, host, task = load_run(run_dir)
         if task.with_forces:
             raise ConfigError(f"{run_dir} trains forces: evaluate an ensemble of energy runs")
-        if indices is None:
-            indices, store = data.split[split], Path(data.store.path).resolve()
-        elif Path(data.store.path).resolve() != store or not np.array_equal(
-            data.split[split], indices
-        ):
+        target = (Path(data.store.path).resolve(), cfg.data.target)
+        if target_of is None:
+            indices, target_of = data.split[split], target
+        elif target != target_of:
+            raise ConfigError(
+                f"{run_dir} predicts {target[1]} of {target[0]}, {run_dirs[0]} {target_of[1]} "
+                f"of {target_of[0]}: the members of an ensemble share one target"
+            )
+        elif not np.array_equal(data.split[split], indices):
             raise ConfigError(
                 f"{run_dir}'s {split} split differs from {run_dirs[0]}'s: train the members "
                 "of an ensemble with one data.split_seed (and the same data settings)"
             )
         by_index = np.empty((2, len(data.store)))  # predicted, true
-        for index, prediction, target in store_energies(cfg, data, host, task, split):
-            by_index[:, index] = prediction, target
+        for index, prediction, truth in store_energies(cfg, data, host, task, split):
+            by_index[:, index] = prediction, truth
         predicted.append(by_index[0, indices])
         targets = by_index[1, indices]
-        units.add(data.unit)
-    if len(units) > 1:
-        raise ConfigError(f"the members use different energy units: {sorted(units)}")
     errors = np.mean(predicted, axis=0) - targets
     return {
         "split": split,
@@ -288,7 +290,7 @@ def evaluate_ensemble(run_dirs: list[Path], split: str = "test") -> dict:
         "mae": float(np.abs(errors).mean()),
         "rmse": float(np.sqrt(np.square(errors).mean())),
         "member_mae": [float(np.abs(p - targets).mean()) for p in predicted],
-        "unit": units.pop(),
+        "unit": data.unit,
     }
 
 

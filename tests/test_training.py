@@ -82,7 +82,8 @@ def predicted_by_index(csv_path: Path) -> dict[int, tuple[float, float]]:
 def test_an_ensemble_of_two_seeds_on_one_split_is_the_mean_of_its_members(qm9_small, tmp_path):
     """Members trained with seeds 0 and 1 and one ``data.split_seed`` share their test split;
     ``train.py evaluate --run A --run B`` scores the mean of their energies. A run whose split came
-    from its own seed is refused (it trained on some of the others' test molecules)."""
+    from its own seed is refused (it trained on some of the others' test molecules), and so is
+    one that predicts another target."""
     members = [tmp_path / "seed0", tmp_path / "seed1"]
     for seed, run_dir in enumerate(members):
         train(load_config(None, tiny(qm9_small, run_dir, f"seed={seed}", "data.split_seed=5")))
@@ -107,6 +108,10 @@ def test_an_ensemble_of_two_seeds_on_one_split_is_the_mean_of_its_members(qm9_sm
     train(load_config(None, tiny(qm9_small, own_split, "seed=1")))
     with pytest.raises(ConfigError, match="own_split's test split differs"):
         evaluate_ensemble([members[0], own_split], "test")
+    other_target = tmp_path / "enthalpy"
+    train(load_config(None, tiny(qm9_small, other_target, "data.split_seed=5", "data.target=H")))
+    with pytest.raises(ConfigError, match=r"enthalpy predicts H of .* share one target"):
+        evaluate_ensemble([members[0], other_target], "test")
 
 
 def interrupt_after_first_step(
