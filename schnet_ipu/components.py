@@ -184,10 +184,13 @@ def make_optimizer(cfg: Config, model: torch.nn.Module, device: str) -> torch.op
         from schnet_ipu.backends.poptorch_backend import make_optimizer as make_ipu_optimizer
 
         oc = cfg.optim
-        return make_ipu_optimizer(model.parameters(), peak_lr(oc), oc.weight_decay, oc.grad_clip)
+        return make_ipu_optimizer(
+            model.parameters(), peak_lr(oc), oc.weight_decay, oc.grad_clip, oc.adam_beta2
+        )
     return torch.optim.Adam(
         model.parameters(),
         lr=peak_lr(cfg.optim),
+        betas=(0.9, cfg.optim.adam_beta2),
         weight_decay=cfg.optim.weight_decay,
         fused=device == "cuda" or (device == "cpu" and TORCH_VERSION >= (2, 4)),
     )

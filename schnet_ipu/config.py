@@ -163,6 +163,8 @@ def validate(cfg: Config) -> None:
     lo_hi = cfg.data.water_sizes
     if len(lo_hi) != 2 or not 1 <= lo_hi[0] <= lo_hi[1]:
         raise ConfigError(f"data.water_sizes must be [min, max] with 1 <= min <= max, got {lo_hi}")
+    if not 0 < cfg.optim.adam_beta2 < 1:
+        raise ConfigError(f"optim.adam_beta2 must be in (0, 1), got {cfg.optim.adam_beta2}")
     if not 0 <= cfg.optim.ema_decay < 1:
         raise ConfigError(f"optim.ema_decay must be in [0, 1) (0 = off), got {cfg.optim.ema_decay}")
     if cfg.optim.spike_factor <= 1:

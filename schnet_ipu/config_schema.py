@@ -100,6 +100,7 @@ class OptimConfig:
     min_lr: float = 1e-5
     grad_clip: float = 10.0  # max gradient norm; 0 = off
     weight_decay: float = 0.0
+    adam_beta2: float = 0.999  # decay of Adam's second moments (its memory: ~1 / (1 - beta2) steps)
     forces_weight: float = 0.0  # weight of the standardised force loss; 0 = energies only
     stress_weight: float = 0.0  # weight of the standardised stress loss (stores with stress)
     max_minutes: float = 0.0  # wall-clock budget of the training loop; 0 = off (epochs only)

@@ -242,3 +242,9 @@ def test_the_peak_lr_follows_the_budget_beyond_its_reference(reference, minutes,
     for _ in range(cfg.optim.warmup_steps + 1):
         scheduler.step()
     assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-4)
+
+
+def test_adam_beta2_reaches_the_optimizer():
+    cfg = load_config(None, ["optim.adam_beta2=0.99"])
+    optimizer = make_optimizer(cfg, torch.nn.Linear(2, 1), "cpu")
+    assert optimizer.param_groups[0]["betas"] == (0.9, 0.99)

@@ -71,6 +71,7 @@ def test_bad_choice_suggests_the_closest():
         (["data.water_sizes=[5, 3]"], r"min <= max"),
         (["backend.device=cpu", "backend.cuda_graphs=true"], r"cuda_graphs=true needs CUDA"),
         (["backend.precision=fp16"], r"backend\.precision = 'fp16' is not one of"),
+        (["optim.adam_beta2=1.0"], r"optim\.adam_beta2 must be in \(0, 1\)"),
     ],
 )
 def test_impossible_combinations_say_what_to_change(overrides, message):

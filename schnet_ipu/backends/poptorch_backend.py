@@ -61,7 +61,9 @@ log = logging.getLogger(__name__)
 OVERLAP_CYCLE_OPTIMIZED = 2  # popart.AccumulateOuterFragmentSchedule.OverlapCycleOptimized
 
 
-def make_optimizer(params, lr: float, weight_decay: float, grad_clip: float) -> poptorch.optim.Adam:
+def make_optimizer(
+    params, lr: float, weight_decay: float, grad_clip: float, beta2: float = 0.999
+) -> poptorch.optim.Adam:
     """``poptorch.optim.Adam``: Adam with L2 weight decay and bias correction, float32
     gradients and moments, no loss scaling, and the global norm of the decayed gradient
     clipped to ``grad_clip`` on the device (0 = no clipping; PopART decays before it clips,
@@ -73,6 +75,7 @@ def make_optimizer(params, lr: float, weight_decay: float, grad_clip: float) -> 
     return poptorch.optim.Adam(
         params,
         lr=lr,
+        betas=(0.9, beta2),
         weight_decay=weight_decay,
         loss_scaling=1.0,
         accum_type=torch.float32,
