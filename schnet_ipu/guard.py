@@ -45,7 +45,8 @@ k-th to ``spike_lr_factor^(k - 1)`` of it, so a rate that spikes again is lowere
 0.99 remembers ~100), whose catching up after a quiet stretch is a usual cause of a spike.
 A lowering for the rest of the run cost the one 30-minute QM9 run it happened to (rollback
 at step 3,380 of ~57,000: ahead of three others until minute 15 at half the rate, 0.7-1.3
-meV behind at the end); 0 keeps it for good. The plateau schedule keeps every lowering (its own reductions set the rate).
+meV behind at the end); 0 keeps it for good. The plateau schedule keeps every lowering (its
+own reductions set the rate).
 
 A spike after ``optim.spike_rollbacks`` rollbacks stops the run with
 :class:`~schnet_ipu.errors.TrainingError` naming the step and the learning rate; ``best.pt``
