@@ -110,7 +110,9 @@ def test_schnet_adam_schedule_validation_best_weights_and_predict() -> None:
     cfg = BackendConfig(device="ipu-model", replicas=2)
     calls = [[make_batch(10 * c + r) for r in range(2)] for c in range(3)]
     model, ref = schnet(0), schnet(0)
-    optimizer = make_optimizer(model.parameters(), LR, weight_decay=DECAY, grad_clip=1.0)
+    optimizer = make_optimizer(
+        model.parameters(), LR, weight_decay=DECAY, grad_clip=1.0, beta2=0.999
+    )
     backend = PoptorchBackend(cfg, model, optimizer, schnet_loss)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=LR, weight_decay=0.0)
 

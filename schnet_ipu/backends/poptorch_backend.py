@@ -62,7 +62,7 @@ OVERLAP_CYCLE_OPTIMIZED = 2  # popart.AccumulateOuterFragmentSchedule.OverlapCyc
 
 
 def make_optimizer(
-    params, lr: float, weight_decay: float, grad_clip: float, beta2: float = 0.999
+    params, lr: float, weight_decay: float, grad_clip: float, beta2: float
 ) -> poptorch.optim.Adam:
     """``poptorch.optim.Adam``: Adam with L2 weight decay and bias correction, float32
     gradients and moments, no loss scaling, and the global norm of the decayed gradient
