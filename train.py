@@ -44,11 +44,11 @@ def train_command(argv: list[str]) -> int:
     if args.print_config:
         print(cfg.to_yaml(), end="")
         return 0
-    from schnet_ipu.runlock import hold_run_lock, launcher_rank
+    from schnet_ipu.training.lock import hold_run_lock, launcher_rank
 
     # one writer per run folder, refused before the heavy imports (a second run: < 1 s)
     with hold_run_lock(Path(cfg.logging.run_dir), holder=launcher_rank() == 0):
-        from schnet_ipu.training import train  # heavy imports only once the config is valid
+        from schnet_ipu.training.loop import train  # heavy imports only once the config is valid
 
         final = train(cfg, fresh=args.fresh)
     print(final_line(final, Path(cfg.logging.run_dir)))
@@ -98,7 +98,7 @@ def run_command(command: str, argv: list[str]) -> int:
         )
     args = parser.parse_args(argv)
     if command == "evaluate" and args.run and len(args.run) > 1:
-        from schnet_ipu.evaluation import evaluate_ensemble
+        from schnet_ipu.training.finished_runs import evaluate_ensemble
 
         print(json.dumps(evaluate_ensemble(args.run, args.split), indent=2))  # reads only
         return 0
@@ -111,7 +111,7 @@ def run_command(command: str, argv: list[str]) -> int:
         parser.error("--model with --input needs --out")
     if args.run is None and (command == "evaluate" or args.input is None):
         parser.error(f"{command} of a split needs --run RUN (the run's data)")
-    from schnet_ipu.runlock import hold_run_lock
+    from schnet_ipu.training.lock import hold_run_lock
 
     # evaluate writes its pictures into the run folder, predict its output by default: they
     # hold the folder's lock; predict --out elsewhere (or of --model files) only reads
@@ -121,19 +121,19 @@ def run_command(command: str, argv: list[str]) -> int:
     lock = hold_run_lock(args.run, holder=writes_there) if args.run else nullcontext()
     with lock:
         if command == "predict" and args.input is not None:
-            from schnet_ipu.inference import predict_file
+            from schnet_ipu.inference.predictor import predict_file
 
             out = args.out or args.run / "predictions.extxyz"
             frames = predict_file(models, args.input, out)
             print(f"wrote {frames} structures with predicted energy and forces to {out}")
             return 0
-        from schnet_ipu.evaluation import evaluate_run, predict_run
+        from schnet_ipu.training.finished_runs import evaluate_run, predict_split
 
         if command == "evaluate":
             print(json.dumps(evaluate_run(args.run, args.split), indent=2))
         else:
             out = args.out or args.run / f"predictions_{args.split}.csv"
-            rows = predict_run(args.run, args.split, out)
+            rows = predict_split(args.run, args.split, out)
             print(f"wrote {rows} predictions to {out}")
     return 0
 
@@ -150,7 +150,7 @@ def export_command(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     import torch
 
-    from schnet_ipu.inference import export_model
+    from schnet_ipu.inference.export import export_model
 
     meta = export_model(args.run, args.out, args.checkpoint, getattr(torch, args.dtype))
     print(f"wrote {args.out} (TorchScript): {meta['interface']}; energy {meta['energy']}")

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from schnet_ipu.config import ConfigError, config_from_dict
 from schnet_ipu.errors import CheckpointError
-from schnet_ipu.runlog import append_whole, write_failed
+from schnet_ipu.files import append_whole, write_failed
 
 # Keys that may change between an interrupted run and its resume without changing results.
 RESUMABLE_CHANGES = (

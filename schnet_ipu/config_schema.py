@@ -106,7 +106,7 @@ class OptimConfig:
     max_minutes: float = 0.0  # wall-clock budget of the training loop; 0 = off (epochs only)
     energy_loss: str = "mse"  # mse | l1: the energy term of the loss (the metric is the MAE)
     ema_decay: float = 0.0  # average of the weights for validation, test and model files; 0 = off
-    # divergence guard (schnet_ipu/guard.py): a read of the step losses (every logging.log_every
+    # divergence guard (training/guard.py): a read of the step losses (every logging.log_every
     # host calls) above spike_factor x the median of the last spike_window reads, or a
     # validation loss above spike_factor x the median of the last spike_window validations,
     # rolls back to the last good weights and optimiser state (kept in memory) and multiplies

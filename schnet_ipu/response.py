@@ -21,7 +21,7 @@ schnetpack's response modules (atomistic-machine-learning/schnetpack,
 ``src/schnetpack/atomistic/response.py``: ``Forces`` and ``Response`` list the inputs a
 request needs and differentiate the energy with respect to all of them in one ``grad``),
 written here for packed batches. The losses and metrics built on it live in
-:mod:`schnet_ipu.task` and :mod:`schnet_ipu.evaluation`.
+:mod:`schnet_ipu.task` and :mod:`schnet_ipu.training.evaluation`.
 """
 
 from __future__ import annotations

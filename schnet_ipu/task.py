@@ -1,6 +1,6 @@
 """What a run learns and how it is scored: the target transform and the loss.
 
-    task = make_task(cfg, data)        # schnet_ipu.components: EnergyTask or EnergyForceTask
+    task = make_task(cfg, data)        # schnet_ipu.training.setup: EnergyTask or EnergyForceTask
     loss = task.loss(model, batch)     # the backends' loss_fn
     task = task_from_dict(spec.task)   # from a checkpoint, no data set needed
 
@@ -18,8 +18,8 @@ One object per objective, in the spirit of schnetpack's tasks: it owns
   no data set to turn predictions into energies.
 
 The task is built from the config and the data with the run's other components
-(:func:`schnet_ipu.components.make_task`); the metrics of a split, all from one pass, are
-:mod:`schnet_ipu.evaluation`'s.
+(:func:`schnet_ipu.training.setup.make_task`); the metrics of a split, all from one pass, are
+:mod:`schnet_ipu.training.evaluation`'s.
 """
 
 from __future__ import annotations

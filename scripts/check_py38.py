@@ -31,9 +31,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 IPU_TEST_FILES = (
-    "tests/test_backend_poptorch.py",
-    "tests/test_poptorch_ops.py",
-    "tests/test_ipu_emulator.py",
+    "tests/backends/test_poptorch.py",
+    "tests/backends/test_poptorch_ops.py",
+    "tests/backends/test_ipu_emulator.py",
 )
 PACKAGE = "schnet_ipu"
 

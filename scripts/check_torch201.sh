@@ -12,7 +12,7 @@
 #   2. Python 3.8 collects the IPU test files (IPU_TESTS), test helpers included;
 #   3. Python 3.8 runs the emulator's tests and the op check's: among them the emulated
 #      2-replica run with weight decay, clipping, a schedule, a resume, evaluate and predict
-#      (tests/test_ipu_emulator.py), about 3 minutes on 2 cores;
+#      (tests/backends/test_ipu_emulator.py), about 3 minutes on 2 cores;
 #   4. when data/qm9.h5 exists, scripts/torch201_compare.py: one emulated step under PYTHON's
 #      torch (saved) and under torch 2.0.1 (compared within 1e-5).
 # Environment: PYTHON38 (default ~/.pyenv/versions/3.8.18/bin/python), VENV38 (default
@@ -24,7 +24,7 @@ PYTHON38=${PYTHON38:-$HOME/.pyenv/versions/3.8.18/bin/python}
 VENV38=${VENV38:-.venv-torch201}
 PYTHON=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 WORK=${WORK:-$(mktemp -d)}
-IPU_TESTS="tests/test_backend_poptorch.py tests/test_poptorch_ops.py tests/test_ipu_emulator.py"
+IPU_TESTS="tests/backends/test_poptorch.py tests/backends/test_poptorch_ops.py tests/backends/test_ipu_emulator.py"
 export PYTHONPATH=$PWD
 
 if [ ! -x "$VENV38/bin/python" ]; then
@@ -39,7 +39,7 @@ echo "== 1. vermin: nothing newer than Python 3.8"
 echo "== 2. Python 3.8 collects the IPU test files"
 "$VENV38/bin/python" -m pytest -p no:cacheprovider --collect-only -q $IPU_TESTS | tail -3
 echo "== 3. Python 3.8 + torch 2.0.1 runs the emulator (the emulated end-to-end run included)"
-"$VENV38/bin/python" -m pytest -p no:cacheprovider -q -rxX tests/test_ipu_emulator.py tests/test_poptorch_ops.py
+"$VENV38/bin/python" -m pytest -p no:cacheprovider -q -rxX tests/backends/test_ipu_emulator.py tests/backends/test_poptorch_ops.py
 if [ -f data/qm9.h5 ]; then
     echo "== 4. one emulated step: torch 2.0.1 against $("$PYTHON" -c 'import torch; print(torch.__version__)')"
     "$PYTHON" scripts/torch201_compare.py save "$WORK/torch213.pt"

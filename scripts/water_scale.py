@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from schnet_ipu.config import load_config  # noqa: E402
-from schnet_ipu.pipeline import make_loader, prepare_data  # noqa: E402
+from schnet_ipu.training.data import make_loader, prepare_data  # noqa: E402
 
 
 class PeakMemory:

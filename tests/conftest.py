@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from schnet_ipu import compiled_feed
-from schnet_ipu.data import import_qm9
+from schnet_ipu.data import compiled_pairs, import_qm9
+from schnet_ipu.feed import compiled as compiled_feed
 
 
 def pytest_configure(config) -> None:
@@ -46,5 +46,6 @@ def feed_program(request, monkeypatch) -> str:
     torch programs (which also run on a GPU for device-resident data, and without numba)."""
     if request.param == "compiled" and not compiled_feed.AVAILABLE:
         pytest.skip("numba is not installed (requirements.txt): no compiled loops")
-    monkeypatch.setattr(compiled_feed, "AVAILABLE", request.param == "compiled")
+    for loops in (compiled_feed, compiled_pairs):  # the feed's batches, the pairs file's search
+        monkeypatch.setattr(loops, "AVAILABLE", request.param == "compiled")
     return request.param

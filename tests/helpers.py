@@ -1,5 +1,6 @@
-"""Helpers that several test modules share: a tiny store, a smoke run's overrides, training in
-a subprocess, and reading a run folder's records.
+"""What several test modules share: a tiny store, a smoke run's overrides, training in a
+subprocess, reading a run folder's records, an epoch's batches, and batches of molecules held
+in memory (random QM9 molecules, packs from the packing library, the reference collate).
 
     store = random_store(tmp_path / "store.h5", molecules=96, seed=5)
     overrides = smoke_overrides(store, tmp_path / "run", "optim.epochs=3")
@@ -14,13 +15,21 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
 import numpy as np
+import torch
 
-from schnet_ipu import training
+from schnet_ipu.batch import Batch
 from schnet_ipu.data import import_qm9, write_store
+from schnet_ipu.data.graphs import molecule_pairs
+from schnet_ipu.feed.collate import PackMolecule, collate
+from schnet_ipu.feed.layout import Layout
+from schnet_ipu.feed.loader import PackedLoader
+from schnet_ipu.packing import assign_packs, plan_packing
+from schnet_ipu.training import loop as training
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_PY = [sys.executable, str(ROOT / "train.py")]
@@ -165,3 +174,87 @@ def kill_after_first_checkpoint(monkeypatch) -> None:
             raise Killed
 
     monkeypatch.setattr(training, "save_checkpoint", killed_after_first)
+
+
+def epoch_batches(loader: PackedLoader, epoch: int) -> list[Batch]:
+    return [b for call in loader.epoch(epoch) for b in call]
+
+
+def assert_same_batches(xs, ys) -> None:
+    """Equal fields, shapes, dtypes and values, batch by batch."""
+    xs, ys = list(xs), list(ys)
+    assert len(xs) == len(ys)
+    for x, y in zip(xs, ys, strict=True):
+        assert x.present_fields() == y.present_fields() and x.signature() == y.signature()
+        for t, u in zip(x.as_tuple(), y.as_tuple(), strict=True):
+            assert torch.equal(t, u)
+
+
+Molecule = "tuple[np.ndarray, np.ndarray]"  # z [n] (int), pos [n, 3] (A); string: Python 3.8
+
+
+def molecules_to_batch(
+    molecules: Sequence[Molecule],
+    packs: Sequence[Sequence[int]],
+    max_nodes: int,
+    max_graphs: int,
+    max_edges: int | None = None,
+    cutoff: float = 6.0,
+    targets: Sequence[float] | None = None,
+) -> Batch:
+    """Collate ``packs`` (lists of indices into ``molecules``) with the loader's collate;
+    radius edges (within ``cutoff``) when ``max_edges`` is given. For tests and benchmarks
+    on molecules held in memory."""
+    layout = Layout(
+        len(packs), max_nodes, max_graphs, max_edges, None if max_edges is None else cutoff
+    )
+    chosen = [
+        [
+            PackMolecule(
+                np.asarray(molecules[m][0]),
+                np.asarray(molecules[m][1], dtype=np.float32),
+                0.0 if targets is None else float(targets[m]),
+                int(m),
+            )
+            for m in pack
+        ]
+        for pack in packs
+    ]
+    return collate(chosen, layout)
+
+
+def pair_array(pos: np.ndarray, cutoff: float) -> np.ndarray:
+    """Unordered pairs (i < j) of one molecule within ``cutoff`` -> int64 [P, 2]."""
+    i, j = molecule_pairs(torch.as_tensor(np.asarray(pos, dtype=np.float32)), cutoff)
+    return torch.stack([i, j], dim=1).numpy()
+
+
+def plan_packs(
+    sizes: Sequence[int],
+    max_nodes: int,
+    max_graphs: int,
+    edges: Sequence[int] | None = None,
+    max_edges: int = 0,
+) -> list[np.ndarray]:
+    """Packs of molecule indices from the packing library: LPFHP over atoms, or tuple
+    packing over (atoms, directed ``edges``) when edges are given."""
+    nodes = np.asarray(sizes)
+    edge_counts = None if edges is None else np.asarray(edges)
+    plan = plan_packing(
+        nodes,
+        edge_counts,
+        algorithm="lpfhp" if edges is None else "tuple",
+        max_nodes=max_nodes,
+        max_edges=max_edges,
+        max_graphs=max_graphs,
+    )
+    return assign_packs(plan, nodes, edge_counts, seed=0, epoch=0)
+
+
+def load_molecules(store: str, count: int, seed: int) -> list[Molecule]:
+    """``count`` distinct molecules drawn at random (``seed``) from a MoleculeStore."""
+    from schnet_ipu.data import MoleculeStore
+
+    molecules = MoleculeStore(store)
+    chosen = np.random.default_rng(seed).choice(len(molecules), count, replace=False)
+    return [molecules.molecule(int(i)) for i in np.sort(chosen)]

@@ -22,8 +22,8 @@ import torch
 from schnet_ipu.bench import common, pyg
 from schnet_ipu.config import load_config
 from schnet_ipu.errors import EXIT_INTERRUPTED
-from schnet_ipu.pipeline import PreparedData, prepare_data
-from schnet_ipu.runlock import hold_run_lock
+from schnet_ipu.training.data import PreparedData, prepare_data
+from schnet_ipu.training.lock import hold_run_lock
 
 COLUMNS = ["name", "test_mae", "best_val_mae", "molecules_seen", "epochs", "seconds"]
 PLOT = ("name", "test_mae", "test MAE after equal wall time (eV)")

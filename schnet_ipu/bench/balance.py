@@ -18,13 +18,13 @@ import torch.distributed as dist
 from schnet_ipu.backends import init_replica
 from schnet_ipu.backends.distributed import broadcast_parameters, merged_allreduce
 from schnet_ipu.batch import Batch
-from schnet_ipu.batch_layout import Layout
 from schnet_ipu.bench import common
 from schnet_ipu.bench.batching import collate_groups, epoch_batches
 from schnet_ipu.bench.replicas import Replicas
 from schnet_ipu.config import BackendConfig, ModelConfig
 from schnet_ipu.data import MoleculeStore, radius_pairs
-from schnet_ipu.feed_arrays import FeedArrays
+from schnet_ipu.feed.arrays import FeedArrays
+from schnet_ipu.feed.layout import Layout
 from schnet_ipu.packing import balance
 from schnet_ipu.task import masked_mse
 

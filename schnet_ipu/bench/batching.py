@@ -14,14 +14,14 @@ import numpy as np
 import torch
 
 from schnet_ipu.batch import Batch
-from schnet_ipu.batch_layout import Layout
 from schnet_ipu.bench import common
 from schnet_ipu.config import ModelConfig
 from schnet_ipu.data import MoleculeStore, edge_counts
-from schnet_ipu.epoch_schedule import PackedDataset
-from schnet_ipu.feed_arrays import FeedArrays
+from schnet_ipu.feed.arrays import FeedArrays
+from schnet_ipu.feed.dataset import PackedDataset
+from schnet_ipu.feed.layout import Layout
 from schnet_ipu.packing import assign_packs, plan_packing
-from schnet_ipu.packing.baselines import BASELINES, run_baseline
+from schnet_ipu.packing.padded_batches import BASELINES, run_baseline
 from schnet_ipu.task import masked_mse
 
 PACKERS = ("lpfhp", "tuple", "pad_to_max")

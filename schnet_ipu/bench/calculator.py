@@ -23,11 +23,12 @@ from ase.md.verlet import VelocityVerlet
 from ase.units import fs
 
 from schnet_ipu.bench import common
-from schnet_ipu.calculator import SchNetCalculator
 from schnet_ipu.checkpoint import save_checkpoint
 from schnet_ipu.config import load_config
-from schnet_ipu.inference import ONE_THREAD_ATOMS, export_model
-from schnet_ipu.model_file import ModelSpec
+from schnet_ipu.inference.calculator import SchNetCalculator
+from schnet_ipu.inference.export import export_model
+from schnet_ipu.inference.model_file import ModelSpec
+from schnet_ipu.inference.predictor import ONE_THREAD_ATOMS
 from schnet_ipu.task import EnergyTask, TargetTransform
 
 METAL_CONFIG = common.ROOT / "configs/emt_bulk.yaml"

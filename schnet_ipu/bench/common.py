@@ -22,13 +22,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from schnet_ipu import components
 from schnet_ipu.backends import cpu_multiplies_bf16, init_replica
 from schnet_ipu.config import Config, ModelConfig, apply_override, validate
 from schnet_ipu.data import MoleculeStore, generate_water, make_split
-from schnet_ipu.loader import PackedLoader
+from schnet_ipu.feed.loader import PackedLoader
 from schnet_ipu.model import SchNet
-from schnet_ipu.pipeline import PreparedData, make_loader, prepare_data
+from schnet_ipu.training import setup as components
+from schnet_ipu.training.data import PreparedData, make_loader, prepare_data
 
 QM9_STORE = "data/qm9.h5"
 ROOT = Path(__file__).resolve().parents[2]
@@ -151,8 +151,8 @@ def train_for(
 ) -> tuple[dict, dict]:
     """``train.py``'s loop on ``cfg`` for ``minutes``: its final record and a row of its epochs
     (``fresh=False``: resuming a run of the same config that ``run_dir`` holds)."""
-    from schnet_ipu.runlog import read_records
-    from schnet_ipu.training import train
+    from schnet_ipu.training.log import read_records
+    from schnet_ipu.training.loop import train
 
     cfg = copy.deepcopy(cfg)
     for item in (f"optim.max_minutes={minutes}", "optim.epochs=100000", "logging.progress=false",

@@ -17,10 +17,10 @@ import torch
 
 from schnet_ipu.backends.distributed import ReplicaInfo
 from schnet_ipu.bench import common
-from schnet_ipu.components import make_trainer
 from schnet_ipu.config import load_config
 from schnet_ipu.errors import UserError
-from schnet_ipu.pipeline import make_loader, prepare_data
+from schnet_ipu.training.data import make_loader, prepare_data
+from schnet_ipu.training.setup import make_trainer
 
 # name -> (forces_weight, op flavour, model.filter, backend.compile); force steps are not
 # compiled (AOTAutograd refuses a double backward)

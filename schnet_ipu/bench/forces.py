@@ -20,7 +20,7 @@ import numpy as np
 from schnet_ipu.bench import common
 from schnet_ipu.config import Config, load_config
 from schnet_ipu.errors import UserError
-from schnet_ipu.pipeline import PreparedData, prepare_data
+from schnet_ipu.training.data import PreparedData, prepare_data
 
 COLUMNS = ["name", "minutes", "structures_per_s", "test_energy_mae_meV_per_atom",
            "test_energy_mae_eV", "test_force_mae", "structures_seen", "epochs",

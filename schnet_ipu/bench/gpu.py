@@ -16,13 +16,13 @@ from typing import Any, Callable
 
 import torch
 
-from schnet_ipu import components
 from schnet_ipu.backends import ReplicaInfo
 from schnet_ipu.bench import common, pyg
 from schnet_ipu.config import Config, load_config
-from schnet_ipu.evaluation import evaluate
-from schnet_ipu.loader import PackedLoader
-from schnet_ipu.pipeline import PreparedData, make_loader, prepare_data
+from schnet_ipu.feed.loader import PackedLoader
+from schnet_ipu.training import setup as components
+from schnet_ipu.training.data import PreparedData, make_loader, prepare_data
+from schnet_ipu.training.evaluation import evaluate
 
 PRECISIONS = ("fp32", "tf32", "bf16")
 VARIANT_PRECISION = "tf32"

@@ -17,13 +17,13 @@ from typing import Callable
 
 import torch
 
-from schnet_ipu import compiled_feed
 from schnet_ipu.bench import common, pyg
-from schnet_ipu.chunk import OutputBuffers
 from schnet_ipu.config import load_config
 from schnet_ipu.data import MoleculeStore, radius_edges
-from schnet_ipu.loader import PackedLoader
-from schnet_ipu.pipeline import PreparedData, make_loader, prepare_data
+from schnet_ipu.feed import compiled as compiled_feed
+from schnet_ipu.feed.chunk import OutputBuffers
+from schnet_ipu.feed.loader import PackedLoader
+from schnet_ipu.training.data import PreparedData, make_loader, prepare_data
 
 COLUMNS = ["name", "workers", "device", "cold_molecules_per_s", "warm_molecules_per_s",
            "vs_pyg_cold", "vs_pyg_warm", "molecules", "feed_state_mb", "rss_mb"]  # fmt: skip

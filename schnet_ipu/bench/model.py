@@ -7,10 +7,10 @@ tabulated filter 4.90x; knn 0.47x, with the table 2.54x."""
 import numpy as np
 import torch
 
-from schnet_ipu.batch_layout import Layout
 from schnet_ipu.bench import common, pyg
 from schnet_ipu.bench.batching import collate_groups
 from schnet_ipu.data import MoleculeStore, edge_counts
+from schnet_ipu.feed.layout import Layout
 from schnet_ipu.packing import assign_packs, plan_packing
 
 SIZE = common.PAPER_SIZE

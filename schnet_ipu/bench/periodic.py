@@ -17,12 +17,12 @@ from typing import Callable
 import numpy as np
 import torch
 
-from schnet_ipu.batch_layout import Layout
 from schnet_ipu.bench import common
 from schnet_ipu.data import MoleculeStore, edge_counts, write_store
 from schnet_ipu.data.periodic_pairs import build_periodic_pairs
-from schnet_ipu.epoch_schedule import PackedDataset
-from schnet_ipu.loader import PackedLoader
+from schnet_ipu.feed.dataset import PackedDataset
+from schnet_ipu.feed.layout import Layout
+from schnet_ipu.feed.loader import PackedLoader
 from schnet_ipu.model import SchNet
 from schnet_ipu.packing import plan_packing
 from schnet_ipu.task import EnergyForceTask, TargetTransform

@@ -12,8 +12,8 @@ import torch
 
 from schnet_ipu.config import ModelConfig
 from schnet_ipu.data import radius_edges
-from schnet_ipu.pipeline import PreparedData
 from schnet_ipu.task import masked_mse
+from schnet_ipu.training.data import PreparedData
 
 NAME = "stock PyG SchNet"
 RADIUS_BUILDER = "schnet_ipu.data.radius_edges (pure torch, inside the timed step)"

@@ -13,7 +13,7 @@ import torch
 from schnet_ipu.bench import common, pyg
 from schnet_ipu.bench.replicas import Replicas
 from schnet_ipu.config import ModelConfig
-from schnet_ipu.pipeline import PreparedData
+from schnet_ipu.training.data import PreparedData
 
 PACKED = {"packed radius+tuple": ("radius", "tuple"), "packed knn+lpfhp": ("knn", "lpfhp")}
 COMPILED = " compiled"  # name suffix of variants whose step runs through torch.compile

@@ -20,7 +20,7 @@ calculator's, Voigt [6] or [3, 3], in eV/Angstrom^3). Frames without a cell stay
 
 Partial labels: when some frames have forces (or, among the periodic ones, stress) and
 others not, all are kept; those without hold zeros and the store's ``forces_mask`` /
-``stress_mask`` (:mod:`schnet_ipu.data.layout`, version 2) say which frames carry them, so
+``stress_mask`` (:mod:`schnet_ipu.data.store_format`, version 2) say which frames carry them, so
 the loss and the metrics count only those.
 """
 

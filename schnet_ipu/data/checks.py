@@ -19,7 +19,7 @@ import numpy as np
 from schnet_ipu.errors import UserError
 
 from .elements import NUM_ELEMENTS
-from .layout import Frames
+from .store_format import Frames
 
 
 class StoreError(UserError, ValueError):

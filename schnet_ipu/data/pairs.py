@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from schnet_ipu import compiled_feed
+from schnet_ipu.data import compiled_pairs
 
 from .graphs import pairs_within_cutoff
 from .pairs_file import RadiusPairs, build_in_runs, cached_pairs
@@ -91,7 +91,7 @@ def build_pairs(
     coords = torch.from_numpy(np.ascontiguousarray(pos.T, dtype=np.float32))  # [3, A]: x, y, z
     sizes = store.num_atoms
     dtype = np.min_scalar_type(max(int(sizes.max()) - 1, 0))
-    if compiled_feed.AVAILABLE:
+    if compiled_pairs.AVAILABLE:
         run_pairs = _run_pairs_compiled
     else:  # torch, on the pair tables of every molecule size present
         present = np.flatnonzero(np.bincount(sizes)).tolist()  # np.unique: ~0.1 s first call
@@ -156,7 +156,7 @@ def _run_pairs_compiled(
     starts, sizes = (np.ascontiguousarray(v, dtype=np.int64) for v in (starts, sizes))
     counts = np.empty(len(sizes), dtype=np.int64)
     room = np.empty((int((sizes * (sizes - 1) // 2).sum()), 2), dtype=np.int32)
-    found = compiled_feed.find_pairs(
+    found = compiled_pairs.find_pairs(
         x, y, z, starts, sizes, np.float32(cutoff * cutoff), counts, room
     )
     return counts, room[:found].astype(dtype).view(_CODE_DTYPES[dtype.itemsize]).reshape(-1)

@@ -21,7 +21,7 @@ import h5py
 import numpy as np
 
 from .checks import StoreError, invalid_cells, invalid_records, invalid_stress, invalid_targets
-from .layout import ATOM_CHUNK, READABLE_VERSIONS, SCHEMA
+from .store_format import ATOM_CHUNK, READABLE_VERSIONS, SCHEMA
 
 READ_SLICE = 1 << 24  # atoms per HDF5 read when reading a whole dataset
 

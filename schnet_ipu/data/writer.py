@@ -38,7 +38,7 @@ from .checks import (
     invalid_frames,
 )
 from .elements import NUM_ELEMENTS, atomic_numbers
-from .layout import Frames, Header, create_layout, mark_created, write_frames
+from .store_format import Frames, Header, create_layout, mark_created, write_frames
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,9 @@
 """Energy, forces and virial of a trained table-filter SchNet on one structure, with the
 backward pass written out by hand instead of autograd: the ASE calculator's and
-``predict``'s path for ``model.filter=table`` models (:class:`schnet_ipu.inference.Predictor`).
+``predict``'s path for ``model.filter=table`` models
+(:class:`schnet_ipu.inference.predictor.Predictor`).
 
-    direct = direct_model(portable_module)   # schnet_ipu.inference: its frozen weights
+    direct = direct_model(portable_module)   # schnet_ipu.inference.predictor: its frozen weights
     energy, forces, virial = direct.energy_forces(z, pos, i, j, shift, cell)
 
 Why: a small structure's call was mostly overhead, not arithmetic. Through autograd a
@@ -31,7 +32,7 @@ and its backward (``sigmoid = ssp'``), from ``g_h = (sigmoid(q) * std R2) R1``:
 
     g_y = (g_h W3) * sigmoid(y);  (g_x, dE/dt) = conv_backward(g_y W2, x);  g_h += g_x W1
 
-Results equal the autograd path's to float32 rounding (tests/test_calculator_direct.py).
+Results equal the autograd path's to float32 rounding (tests/inference/test_calculator_direct.py).
 Folding each shifted softplus's ``- log 2`` into the next layer's bias would save an op per
 layer but cost digits: the float32 energy of the 20-atom molecule moved 1.4e-6 eV from
 float64 instead of 0.6e-6 (main's autograd path: 0.2e-6), so it is not done. Shapes: z [N]
@@ -89,7 +90,7 @@ class TableBlock:
 
 class DirectTableSchNet:
     """See the module docstring; built from a PortableSchNet by
-    :func:`schnet_ipu.inference.direct_model`.
+    :func:`schnet_ipu.inference.predictor.direct_model`.
 
     Args:
         embedding: [rows, H] per-element features.

@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from schnet_ipu.packing.baselines import BASELINES, run_baseline
 from schnet_ipu.packing.lpfhp import lpfhp
+from schnet_ipu.packing.padded_batches import BASELINES, run_baseline
 from schnet_ipu.packing.plan import plan_packing
 from schnet_ipu.packing.search import node_curve, tuple_curve
 from schnet_ipu.packing.strategy import PackPlan
