@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from contextlib import nullcontext
 from pathlib import Path
 
-from schnet_ipu.config import load_config
+from schnet_ipu.config import resolve_config
 from schnet_ipu.errors import configure_logging, run_cli
+
+log = logging.getLogger("schnet_ipu")
 
 
 def main(argv: list[str]) -> int:
@@ -40,10 +43,12 @@ def train_command(argv: list[str]) -> int:
     parser.add_argument("--print-config", action="store_true", help="print the config, exit")
     parser.add_argument("--fresh", action="store_true", help="discard an existing run directory")
     args = parser.parse_intermixed_args(argv)
-    cfg = load_config(args.config, args.overrides)
+    cfg, recipe = resolve_config(args.config, args.overrides)
     if args.print_config:
+        print(f"# {recipe.line()}")
         print(cfg.to_yaml(), end="")
         return 0
+    log.info(recipe.line())
     from schnet_ipu.training.lock import hold_run_lock, launcher_rank
 
     # one writer per run folder, refused before the heavy imports (a second run: < 1 s)

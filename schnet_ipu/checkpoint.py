@@ -29,6 +29,7 @@ from schnet_ipu.files import append_whole, write_failed
 
 # Keys that may change between an interrupted run and its resume without changing results.
 RESUMABLE_CHANGES = (
+    "recipe",  # names where unset keys came from; the keys themselves are compared
     "optim.epochs",
     "optim.max_minutes",  # a budget may be extended
     "optim.beat_baseline",  # checked after the run

@@ -1,6 +1,10 @@
 """Typed configuration: dataclasses loaded from YAML, with dotted ``key=value`` overrides.
 
     cfg = load_config("configs/qm9.yaml", ["optim.lr=5e-4", "data.subset=20000"])
+    cfg, recipe = resolve_config("configs/emt_forces.yaml")   # and the recipe it got
+
+Keys the file and the overrides leave unset take the measured recipe for the data
+(:mod:`schnet_ipu.recipes`, ``recipe: auto``), then the bare defaults.
 
 Every mistake is reported before anything runs: an unknown key names the closest valid
 key (a removed key what replaced it), a wrong type names the key, the expected type and the
@@ -39,6 +43,7 @@ from schnet_ipu.config_schema import (
     OptimConfig,
     PackingConfig,
 )
+from schnet_ipu.recipes import AppliedRecipe, apply_recipe
 
 __all__ = [
     "IPU_DEVICES",
@@ -55,6 +60,7 @@ __all__ = [
     "check_ipu_replicas",
     "config_from_dict",
     "load_config",
+    "resolve_config",
     "validate",
 ]
 
@@ -72,11 +78,19 @@ def _field_types(cls: type) -> dict[str, Any]:
 def load_config(
     path: str | Path | None = None, overrides: list[str] = (), instances: int | None = None
 ) -> Config:
-    """Read a YAML file (or the defaults), apply ``a.b=value`` overrides, and validate; for
-    ``ipu`` devices also the replicas one process reserves (:func:`check_ipu_replicas`):
-    ``backend.replicas`` / ``instances`` (PopRun instances, scripts/poprun.py), this PopRun
-    instance's share when run under poprun, else all. A stored config
-    (:func:`config_from_dict`) is read, not launched, so it skips that check."""
+    """The config of :func:`resolve_config`."""
+    return resolve_config(path, overrides, instances)[0]
+
+
+def resolve_config(
+    path: str | Path | None = None, overrides: list[str] = (), instances: int | None = None
+) -> tuple[Config, AppliedRecipe]:
+    """Read a YAML file (or the defaults), apply ``a.b=value`` overrides, fill the keys left
+    unset from the data's recipe, and validate; for ``ipu`` devices also the replicas one
+    process reserves (:func:`check_ipu_replicas`): ``backend.replicas`` / ``instances``
+    (PopRun instances, scripts/poprun.py), this PopRun instance's share when run under
+    poprun, else all. A stored config (:func:`config_from_dict`) is read, not launched, so it
+    skips that check and takes no recipe (it holds every key)."""
     raw: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -91,11 +105,25 @@ def load_config(
     cfg = _build(Config, raw, prefix="")
     for item in overrides:
         apply_override(cfg, item)
+    validate(cfg)  # the user's own keys first: their mistakes name them
+    explicit = _dotted_keys(raw) | {item.split("=", 1)[0].strip() for item in overrides}
+    recipe = apply_recipe(cfg, explicit)
     validate(cfg)
     if cfg.backend.device in IPU_DEVICES:  # a run to launch: the IPUs to reserve
         where = "backend.replicas" if instances is None else "backend.replicas per instance"
         check_ipu_replicas(_replicas_per_process(cfg.backend, instances), cfg.backend.device, where)
-    return cfg
+    return cfg, recipe
+
+
+def _dotted_keys(raw: dict[str, Any], prefix: str = "") -> set[str]:
+    """Every key a YAML mapping sets, dotted (``optim.lr``); sections themselves are not keys."""
+    keys = set()
+    for key, value in raw.items():
+        if isinstance(value, dict):
+            keys |= _dotted_keys(value, f"{prefix}{key}.")
+        else:
+            keys.add(prefix + str(key))
+    return keys
 
 
 def config_from_dict(raw: dict[str, Any]) -> Config:

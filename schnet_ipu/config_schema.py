@@ -151,6 +151,9 @@ class LoggingConfig:
 @dataclass
 class Config:
     seed: int = 0
+    # auto: the measured recipe for the data fills every key the config leaves unset
+    # (schnet_ipu/recipes.py); energies | forces | periodic: that recipe; none: bare defaults
+    recipe: str = "auto"
     data: DataConfig = field(default_factory=DataConfig)
     packing: PackingConfig = field(default_factory=PackingConfig)
     loader: LoaderConfig = field(default_factory=LoaderConfig)
@@ -167,6 +170,7 @@ class Config:
 
 
 CHOICES: dict[str, tuple[str, ...]] = {
+    "recipe": ("auto", "none", "energies", "forces", "periodic"),
     "data.source": ("qm9", "qm9-raw", "hydronet", "water", "ase"),
     "data.hydronet_subset": ("small", "medium", "large"),
     "data.water_distribution": ("uniform", "hydronet"),

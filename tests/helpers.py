@@ -76,13 +76,14 @@ def tiny_model(width: int) -> list[str]:
 
 
 def smoke_overrides(store: Path, run_dir: Path, *extra: str, width: int = 8) -> list[str]:
-    """Overrides of a smoke run on the CPU: 16 validation and 16 test molecules, a SchNet of
-    one interaction ``width`` wide, two packs a batch, a constant learning rate, one training
-    thread (the module restores torch's count: ``restore_threads``), no progress bars, no
-    plot, no baseline check (too short to learn). ``extra`` comes last, so it overrides any
-    of these."""
+    """Overrides of a smoke run on the CPU: the bare defaults (no recipe), 16 validation and 16
+    test molecules, a SchNet of one interaction ``width`` wide, two packs a batch, a constant
+    learning rate, one training thread (the module restores torch's count:
+    ``restore_threads``), no progress bars, no plot, no baseline check (too short to learn).
+    ``extra`` comes last, so it overrides any of these."""
     return [
         f"data.path={store}",
+        "recipe=none",  # the bare defaults: smoke runs test the machinery, not a recipe
         "data.val=16",
         "data.test=16",
         *tiny_model(width),
