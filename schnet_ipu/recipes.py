@@ -181,8 +181,8 @@ def _first_frame(path: Path):
 
 def _skipped(key: str, cfg: Config, explicit: set[str], name: str) -> bool:
     """Learning-rate keys stay bare where the user chose another schedule than the recipe's,
-    the budget's reference where there is no budget, and a compiled step is not offered to a run that trains forces or stress (double
-    backward, which torch.compile does not support)."""
+    the budget's reference where there is no budget, and a compiled step is not offered to a
+    run that trains forces or stress (double backward, which torch.compile does not support)."""
     recipe_schedule = RECIPES[name].get("optim.schedule")
     own_schedule = "optim.schedule" in explicit and cfg.optim.schedule != recipe_schedule
     if key in SCHEDULE_KEYS and own_schedule:

@@ -30,7 +30,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TESTS = ["tests/model/test_triton_ops.py", "tests/backends/test_cuda.py", "tests/backends/test_compiled_step.py"]
+TESTS = [
+    "tests/model/test_triton_ops.py",
+    "tests/backends/test_cuda.py",
+    "tests/backends/test_compiled_step.py",
+]
 SWEEP_ROWS, SWEEP_WARPS = (2, 4, 8, 16), (4, 8, 16)
 SWEEP_STEPS = 40
 # gpu.VARIANTS under backend.compile
