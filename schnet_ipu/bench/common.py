@@ -106,9 +106,11 @@ def fwd_bwd(
 
 def our_trainer(
     store: str | Path, sample: int, size: ModelConfig, overrides: list[str],
-    batch_molecules: float, replicas: int = 1,
+    batch_molecules: float | None, replicas: int = 1,
 ) -> tuple[Config, PreparedData, PackedLoader, Any]:  # fmt: skip
-    """Config, data, loader and backend of ``size`` on a fixed ``sample``, one of ``replicas``."""
+    """Config, data, loader and backend of ``size`` on a fixed ``sample``, one of ``replicas``:
+    about ``batch_molecules`` per step (None: ``packing.packs_per_batch`` as the overrides set
+    it)."""
     cfg = Config(model=replace(size))  # the model under test; overrides pick its graph
     for item in [f"data.path={store}", f"data.subset={round(sample / 0.9)}", "data.val=0.05",
                  "data.test=0.05", "optim.grad_clip=0", "backend.device=cpu",
@@ -117,7 +119,8 @@ def our_trainer(
     validate(cfg)
     replica = init_replica(cfg.backend, "cpu")
     data = prepare_data(cfg)
-    cfg.packing.packs_per_batch = packs_for(data, batch_molecules / replicas)
+    if batch_molecules is not None:
+        cfg.packing.packs_per_batch = packs_for(data, batch_molecules / replicas)
     loader = make_loader(cfg, data, "train", replica.rank, replica.world_size)
     return cfg, data, loader, components.make_trainer(cfg, data, replica)[2]
 

@@ -1,7 +1,8 @@
 """Training molecules/s on QM9: ours (the real pipeline, packed and pad-to-max) against stock
-PyG SchNet, the same model size, loss and molecules, about ``batch_molecules`` per step.
-Measured (``throughput-cpu-quick``, 2-core Intel box): the best setup (2 compiled replicas,
-tabulated filter) 10.6x stock PyG, the best single process 8.42x; packing over padding 4.77x."""
+PyG SchNet, the same model size, loss and molecules, about ``batch_molecules`` per step; and
+the shipped QM9 recipe as it trains (:data:`schnet_ipu.recipes.RECIPES` ``energies``: two
+compiled replicas of 16 packs, the 128-point table, bf16 where the CPU multiplies it), its
+molecules per step its own. Every variant is timed in interleaved rounds (:mod:`.common`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from schnet_ipu.bench import common, pyg
 from schnet_ipu.bench.replicas import Replicas
 from schnet_ipu.config import ModelConfig
+from schnet_ipu.recipes import RECIPES
 from schnet_ipu.training.data import PreparedData
 
 PACKED = {"packed radius+tuple": ("radius", "tuple"), "packed knn+lpfhp": ("knn", "lpfhp")}
@@ -20,6 +22,8 @@ COMPILED = " compiled"  # name suffix of variants whose step runs through torch.
 TABLE = " filter=table"  # name suffix of variants with the tabulated filter (model.filter)
 FILTERS = {"exact": "", "table": TABLE}  # model.filter -> name suffix
 REPLICAS = 2  # processes of the replicated variants
+RECIPE = "qm9 recipe"  # the shipped recipe's step; its keys come from the recipe's table
+RECIPE_KEYS = ("model.", "packing.", "backend.compile", "backend.precision")
 COLUMNS = ["name", "molecules_per_s", "step_ms", "molecules_per_step", "replicas",
            "threads_per_replica", "atoms_per_step", "node_efficiency", "edge_efficiency",
            "graph"]  # fmt: skip
@@ -30,7 +34,7 @@ QUICK = {"sample": 3000, "timing": common.Timing(warmup=2, steps=4, repeats=9),
 
 def ours(
     store: str | Path, sample: int, size: ModelConfig, overrides: list[str],
-    batch_molecules: int = 32, replicas: int = 1,
+    batch_molecules: int | None = 32, replicas: int = 1,
 ) -> tuple[dict, PreparedData, Callable[[], int]]:  # fmt: skip
     """One of our configurations (:func:`.common.our_trainer`): its facts, data and step."""
     trainer = common.our_trainer(store, sample, size, overrides, batch_molecules, replicas)
@@ -63,8 +67,15 @@ def variants(padded: tuple[str, ...], compile: bool) -> list[tuple]:
         rows.append(("pad_to_max radius" + COMPILED, "radius", "pad_to_max", True, "exact", 1))
         rows.append(("packed radius+tuple" + TABLE + COMPILED, "radius", "tuple", True, "table", 1))
     name, compiled = f"packed radius+tuple {REPLICAS} replicas", COMPILED if compile else ""
-    return rows + [(name + suffix + compiled, "radius", "tuple", compile, filter_, REPLICAS)
-                   for filter_, suffix in FILTERS.items()]  # fmt: skip
+    rows += [(name + suffix + compiled, "radius", "tuple", compile, filter_, REPLICAS)
+             for filter_, suffix in FILTERS.items()]  # fmt: skip
+    return [*rows, (RECIPE, "radius", "tuple", True, "table", REPLICAS)] if compile else rows
+
+
+def recipe_overrides() -> list[str]:
+    """The energies recipe's model, packing, compile and precision keys, as overrides."""
+    recipe = RECIPES["energies"]
+    return [f"{key}={value}" for key, value in recipe.items() if key.startswith(RECIPE_KEYS)]
 
 
 def run(
@@ -81,6 +92,9 @@ def run(
         setup = [f"model.graph={graph}", f"packing.algorithm={packing}",
                  "model.pair_symmetric=true", f"loader.workers={workers}",
                  f"backend.compile={compiled}", f"model.filter={filter_}"]  # fmt: skip
+        if name == RECIPE:  # its own packs per step and precision, as configs/qm9.yaml trains
+            replicated[name] = (store, sample, size, [*setup, *recipe_overrides()], None)
+            continue
         if count > 1:  # in the replica group, once every in-process variant is set up
             replicated[name] = (store, sample, size, setup, batch_molecules)
             continue
@@ -106,7 +120,9 @@ def run(
         f"{batch_molecules} per optimiser step (packs hold whole molecules: ours 33-35), Adam "
         "1e-3 (ours fused, PyG torch's default), standardised MSE; both hold the molecules in "
         f"memory. SchNet {size.hidden_channels}/{size.num_interactions}/{size.num_gaussians}, "
-        f"cutoff {size.cutoff}, knn k={size.k}; ours {workers} loader thread(s).",
+        f"cutoff {size.cutoff}, knn k={size.k}; ours {workers} loader thread(s). "
+        f"{RECIPE!r}: {' '.join(recipe_overrides())}, {REPLICAS} replicas (its own molecules "
+        "per step; the loss and the learning rate as the others).",
         f"common.Timing: {timing.warmup} warm-up steps, then {timing.repeats} rounds of "
         f"{timing.steps} steps of each variant in turn; medians (*_per_round: each round's).",
     ]
@@ -131,6 +147,8 @@ def compare(results: dict[str, dict]) -> dict:
               "padded_reference": reference}  # fmt: skip
     pairs = {"packed_vs_pyg": (best, pyg.NAME), "single_process_vs_pyg": (single, pyg.NAME),
              "packed_vs_padded": (single, reference)}  # fmt: skip
+    if RECIPE in rate:
+        pairs["recipe_vs_pyg"] = (RECIPE, pyg.NAME)
     ratios.update({key: common.ratio(rate[a], rate[b]) for key, (a, b) in pairs.items()})
     rounds = {name: row["repeats_molecules_per_s"] for name, row in results.items()}
     for key, (mine, other) in pairs.items():

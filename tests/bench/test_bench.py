@@ -55,6 +55,21 @@ def test_throughput(store: Path, tmp_path: Path) -> None:
     assert loaded["ratios"]["best_single_process"] != "packed radius+tuple 2 replicas"
     for key in ("packed_vs_pyg", "single_process_vs_pyg", "packed_vs_padded"):
         assert loaded["ratios"][key] > 0
+    assert throughput.RECIPE not in names  # the shipped recipe compiles: only with compile=True
+
+
+def test_throughput_times_the_shipped_recipe() -> None:
+    """The recipe variant trains as configs/qm9.yaml resolves: its keys, 2 replicas, compiled."""
+    from schnet_ipu.bench import throughput
+    from schnet_ipu.config import load_config
+
+    cfg = load_config("configs/qm9.yaml", ["backend.device=cpu", *throughput.recipe_overrides()])
+    shipped = load_config("configs/qm9.yaml", ["backend.device=cpu"])
+    assert cfg == shipped and shipped.backend.compile and shipped.packing.packs_per_batch == 16
+    variant = [row for row in throughput.variants((), True) if row[0] == throughput.RECIPE]
+    assert variant == [
+        (throughput.RECIPE, "radius", "tuple", True, "table", shipped.backend.replicas)
+    ]
 
 
 def test_loader(store: Path, tmp_path: Path) -> None:
