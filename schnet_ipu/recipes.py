@@ -115,7 +115,7 @@ def apply_recipe(cfg: Config, explicit: set[str], cuda: bool | None = None) -> A
             return AppliedRecipe("none", "the data cannot be read yet (data.files)", {})
         name, why = choose_recipe(cfg, labels, explicit)
     else:
-        name, why = cfg.recipe, f"recipe: {cfg.recipe} is set"
+        name, why = cfg.recipe, "named by the config"
     values = {}
     for key, value in RECIPES[name].items():
         if key in explicit or _skipped(key, cfg, explicit, name):
