@@ -19,6 +19,7 @@ import argparse
 import errno
 import logging
 import math
+import os
 import signal
 import sys
 from collections.abc import Callable, Iterator
@@ -114,10 +115,16 @@ def run_cli(main: Callable[[], object]) -> int:
     """Run a command's body and return its exit code (its own when it returns an int, else
     0); user errors -> one line on stderr and exit code 2; a Ctrl-C that nothing turned
     into a saved stop (a run's start-up, an import: both resume when run again) -> one line
-    and exit code 130."""
+    and exit code 130; output piped into a reader that stopped early (``| head``) ends
+    quietly, as other command-line tools do."""
     try:
         result = main()
         return result if isinstance(result, int) else 0
+    except BrokenPipeError:
+        # stdout's reader is gone: point stdout at /dev/null so the interpreter's final
+        # flush does not raise again (the Python docs' advice for SIGPIPE)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except KeyboardInterrupt:
         print(INTERRUPTED, file=sys.stderr)
         return EXIT_INTERRUPTED

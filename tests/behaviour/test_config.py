@@ -127,3 +127,17 @@ def test_missing_and_malformed_files(tmp_path):
         load_config(tmp_path / "nope.yaml")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(write(tmp_path, "optim: [1, 2\n"))
+
+
+def test_print_config_into_a_reader_that_stops_early_ends_quietly():
+    """``train.py --print-config | head -1``: the first line, and no traceback."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    piped = subprocess.run(
+        f"{sys.executable} train.py --config configs/qm9.yaml --print-config | head -1",
+        shell=True, cwd=root, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert piped.stdout.startswith("# recipe energies") and piped.stdout.count("\n") == 1
+    assert piped.stderr == ""
