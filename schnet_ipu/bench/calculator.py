@@ -1,6 +1,7 @@
 """Using a trained model: calculator and exported-file latency, and MD steps per second, of
-random-weight table-filter models of ``configs/qm9.yaml`` (molecules) and
-``configs/emt_bulk.yaml`` (Cu, water boxes), float32 and float64. Measured (``calculator-cpu``):
+random-weight table-filter models of ``configs/qm9.yaml`` (the paper's size: molecules, and Cu
+cells of 20 and 1,000 atoms) and ``configs/emt_bulk.yaml`` (the force recipe's size: Cu, water
+boxes), float32 and float64. Measured (``calculator-cpu``):
 0.40 ms per energy + forces call at 20 atoms, 5.1 at 200, 69 ms for 10,000 Cu atoms; the
 exported file 0.83 / 7.8 / 115 ms."""
 
@@ -32,9 +33,12 @@ from schnet_ipu.inference.predictor import ONE_THREAD_ATOMS
 from schnet_ipu.task import EnergyTask, TargetTransform
 
 METAL_CONFIG = common.ROOT / "configs/emt_bulk.yaml"
-COLUMNS = ["name", "structure", "atoms", "dtype", "ms_per_call", "md_steps_per_s", "load_avg"]
+COLUMNS = ["name", "model", "structure", "atoms", "dtype", "ms_per_call", "md_steps_per_s",
+           "load_avg"]  # fmt: skip
+MODELS = {"paper": "paper size 100/4, cutoff 6", "metal": "force recipe 64/3, cutoff 5"}
 PLOT = ("name", "ms_per_call", "ms per energy + forces (+ stress) call")
 MOLECULE_ELEMENTS = [1, 6, 7, 8]
+PAPER_ELEMENTS = [*MOLECULE_ELEMENTS, 29]  # the paper's size on copper cells too
 CELL_ELEMENTS = [1, 8, 29]
 QUICK = {"quick": True}
 FORCES = ("energy", "forces")  # what a calculator call computes
@@ -125,6 +129,7 @@ def run(quick: bool = False, structures: list | None = None) -> dict:
     """Every (structure name, model, atoms) of ``structures``; ``quick``: fewer rounds."""
     if structures is None:
         structures = [("molecule", "paper", molecule(20)), ("molecule", "paper", molecule(200))]
+        structures += [("Cu fcc", "paper", copper(r)) for r in ((5, 1, 1), (5, 5, 10))]
         structures += [("Cu fcc", "metal", copper(r)) for r in ((5, 1, 1), (5, 5, 2), (5, 5, 10))]
         structures.append(("water box", "metal", water_box(7)))
         if not quick:
@@ -135,7 +140,7 @@ def run(quick: bool = False, structures: list | None = None) -> dict:
         # a model's calls in two groups: after the exported file's calls on torch's thread pool,
         # a one-thread calculator call is slower (200 atoms: 8.7-10.2 ms; 7.5-7.7 among calculators)
         calcs, groups = {}, {}  # groups: model -> (its calculators' calls, its exported files')
-        for model, config, elements in (("paper", common.PAPER_CONFIG, MOLECULE_ELEMENTS),
+        for model, config, elements in (("paper", common.PAPER_CONFIG, PAPER_ELEMENTS),
                                         ("metal", METAL_CONFIG, CELL_ELEMENTS)):  # fmt: skip
             path = model_file(Path(folder), config, elements)
             calculators, files = groups[model] = {}, {}
@@ -157,7 +162,8 @@ def run(quick: bool = False, structures: list | None = None) -> dict:
                 dtype = name.split()[-1]
                 steps = max(2, 600 // len(atoms)) if not quick else 2
                 md = md_rate(calcs[model, dtype], atoms, steps) if "calculator" in name else None
-                results.append({"name": name, "structure": structure, "atoms": len(atoms),
+                results.append({"name": name, "model": MODELS[model], "structure": structure,
+                                "atoms": len(atoms),
                                 "dtype": dtype, "ms_per_call": ms, "md_steps_per_s": md,
                                 "load_avg": load})  # fmt: skip
                 print(results[-1], flush=True)
