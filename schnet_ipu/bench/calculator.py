@@ -1,8 +1,7 @@
 """Using a trained model: calculator and exported-file latency, and MD steps per second, of
 random-weight table-filter models of ``configs/qm9.yaml`` (molecules) and
-``configs/emt_bulk.yaml`` (Cu, water boxes), float32 and float64. Measured (``calculator-cpu``):
-0.40 ms per energy + forces call at 20 atoms, 5.1 at 200, 69 ms for 10,000 Cu atoms; the
-exported file 0.83 / 7.8 / 115 ms."""
+``configs/emt_bulk.yaml`` (Cu, water boxes), float32 and float64. The committed report:
+docs/benchmarks/calculator/; its figures: docs/benchmarks/README.md."""
 
 from __future__ import annotations
 

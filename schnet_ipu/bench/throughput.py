@@ -1,7 +1,7 @@
 """Training molecules/s on QM9: ours (the real pipeline, packed and pad-to-max) against stock
 PyG SchNet, the same model size, loss and molecules, about ``batch_molecules`` per step.
-Measured (``throughput-cpu-quick``, 2-core Intel box): the best setup (2 compiled replicas,
-tabulated filter) 10.6x stock PyG, the best single process 8.42x; packing over padding 4.77x."""
+The committed report: docs/benchmarks/throughput/; its figures, with the machine they were
+measured on: docs/benchmarks/README.md."""
 
 from __future__ import annotations
 
