@@ -60,7 +60,7 @@ Rule = Callable[[dict], list[Headline]]
 
 
 def figure_text(number: float) -> str:
-    """Four significant digits, thousands grouped: 0.0001234, 12.35, 2,476, 599,717."""
+    """Four significant digits, thousands grouped: 0.0001234, 12.35, 1,234, 56,789."""
     return f"{number:,.0f}" if abs(number) >= 1_000 else f"{number:.4g}"
 
 
