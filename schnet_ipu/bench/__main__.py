@@ -6,7 +6,10 @@ they override ``--quick``'s reduced settings): ``--device`` (gpu, force_step), `
 forces), ``--ours-only`` and ``--run-dir DIR`` (accuracy), ``--set section.key=value`` (gpu,
 accuracy, forces, force_step), ``--config C`` (forces, force_step), ``--parallel N`` (forces),
 ``--variant`` (forces: ``'NAME: key=value ...'``; gpu and force_step: a name of the module's
-``VARIANTS``). Each writes ``SUITE.json``, ``.md`` and ``.png`` in ``--out-dir``."""
+``VARIANTS``). Each writes ``SUITE.json``, ``.md`` and ``.png`` in ``--out-dir``.
+
+``python -m schnet_ipu.bench table [--check]`` rewrites (or checks) the headline table of
+docs/benchmarks/README.md from the committed reports (:mod:`schnet_ipu.bench.table`)."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import logging
 import shlex
 import sys
 
+from schnet_ipu.bench import table
 from schnet_ipu.bench.common import QM9_STORE, write_report
 from schnet_ipu.errors import run_cli
 
@@ -33,7 +37,10 @@ OPTIONS = {"device": ("device", {}), "subset": ("subset", {"type": int}),
            "run_dir": ("run_dir", {})}  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None) -> dict | int:
+    given = sys.argv[1:] if argv is None else argv
+    if given[:1] == ["table"]:
+        return table.main(given[1:])
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(prog="python -m schnet_ipu.bench", description=__doc__,
                                      formatter_class=formatter)  # fmt: skip

@@ -3,9 +3,8 @@ other on ``configs/qm9.yaml``'s split and size: ours under ``optim.max_minutes``
 (batch 32, Adam 1e-3 on a cosine over the minutes, the best of 20 validations tested);
 ``--ours-only`` skips PyG. ``--run-dir DIR`` keeps our run in DIR instead of a temporary folder,
 and the same command again resumes it there (Ctrl-C saves first), so a budget of hours need not
-run in one sitting; stock PyG's side always starts afresh. Measured (full QM9 U0, 2-core
-Intel Xeon, the shipped recipe): our test MAE 0.167x PyG's after 10 minutes each, 0.252x after
-30 (docs/benchmarks/accuracy-cpu-*-vs-pyg)."""
+run in one sitting; stock PyG's side always starts afresh. The committed reports:
+docs/benchmarks/accuracy/; their figures: docs/benchmarks/README.md."""
 
 from __future__ import annotations
 

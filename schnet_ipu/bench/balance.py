@@ -1,8 +1,7 @@
 """Cost-model grouping across replicas: 2 CPU replicas (gloo), round-robin against the cost
 model (``a*atoms + b*edges + c``, fitted on a calibration epoch), on dynamic batches and tuple
-packs. ``straggler``: mean over steps of slowest / mean replica fwd+bwd. Measured (loaded
-2-core CPU, ``--quick``): no gain beyond the noise (epochs within 8%); predicted straggler
-1.07 on QM9 batches of 32 (1.06 grouped), exactly 1.00 for fixed-shape packs."""
+packs. ``straggler``: mean over steps of slowest / mean replica fwd+bwd. The committed
+report: docs/benchmarks/balance/; its figures: docs/benchmarks/README.md."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Every batching algorithm of the packing library on QM9 and synthetic water clusters: node
 and edge efficiency, distinct batch shapes per epoch (= static-shape recompilations) and
 SchNet's measured fwd+bwd on real batches of the most frequent shapes, weighted into an epoch.
-Measured (``batching-cpu-quick``): tuple packing 3.08x pad-to-max on QM9 at 32 molecules, the
-fastest QM9 batching; on small water clusters the dynamic baseline is fastest."""
+The committed report: docs/benchmarks/batching/; its figures: docs/benchmarks/README.md."""
 
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
 """Using a trained model: calculator and exported-file latency, and MD steps per second, of
 random-weight table-filter models of ``configs/qm9.yaml`` (the paper's size: molecules, and Cu
 cells of 20 and 1,000 atoms) and ``configs/emt_bulk.yaml`` (the force recipe's size: Cu, water
-boxes), float32 and float64. Measured (``calculator-cpu``):
-0.40 ms per energy + forces call at 20 atoms, 5.1 at 200, 69 ms for 10,000 Cu atoms; the
-exported file 0.83 / 7.8 / 115 ms."""
+boxes), float32 and float64. The committed report: docs/benchmarks/calculator/; its figures:
+docs/benchmarks/README.md."""
 
 from __future__ import annotations
 

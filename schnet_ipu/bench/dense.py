@@ -1,7 +1,6 @@
 """Dense vs sparse message passing: training molecules/s on QM9 and water, side by side,
 through the real pipeline at each graph's default packing (both read the same packs).
-Measured (``--quick``, 2-core CPU): dense 0.42x sparse on QM9 radius packs of 106 atoms (15%
-of the computed pairs real), 0.90x on QM9 knn packs of 36 atoms."""
+The committed report: docs/benchmarks/dense/; its figures: docs/benchmarks/README.md."""
 
 from __future__ import annotations
 

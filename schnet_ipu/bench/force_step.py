@@ -1,9 +1,8 @@
 """Step time of force training against energy-only training, side by side: every
 ``VARIANTS`` entry's trainer on the same batches, interleaved (on CUDA inside its CUDA graph;
 ``--device cuda`` adds the Triton flavour's variants, ``--variant NAME`` times that one beside
-``energy``). Measured (``forces-step-cpu``, one thread): forces with the table over exact
-0.66-0.71 on the EMT clusters (K = 128; 0.59-0.67 on an AMD EPYC box), 0.436 on the xTB
-molecules."""
+``energy``). The committed reports: docs/benchmarks/force_step/; their figures:
+docs/benchmarks/README.md."""
 
 from __future__ import annotations
 
@@ -87,7 +86,7 @@ def run(
         f"of the training loader, a warm-up call, then {rounds} rounds of every variant in "
         "turn; medians." + ("" if cuda else f" Skipped (CUDA only): {', '.join(CUDA_ONLY)}."),
     ]
-    return common.new_report(  # and the keys of docs/benchmarks/forces-step-cpu.json
+    return common.new_report(  # and the keys of docs/benchmarks/force_step/cpu/force_step.json
         "force_step", rows, ratios, notes, threads=torch.get_num_threads(), step_ms=median,
         ratio_to_energy=to_energy, table_speedup=table_speedup,
         atoms_per_batch=int(batches[0][0].node_mask.sum()), config=str(config),

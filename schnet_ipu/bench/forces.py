@@ -1,9 +1,8 @@
 """Force fields at equal wall time: our trainer against schnetpack 2.1.1's SchNet on a force
 config's frames and split, same model size: ours (the config under ``optim.max_minutes=M``),
 schnetpack's stock MD17-style recipe (:mod:`.schnetpack_side`) and ``--variant`` rows of ours;
-sides are processes, ``--parallel`` at a time, one thread each. Measured (configs as they
-are): our force MAE 0.21x / 0.14x / 0.22x schnetpack's on EMT clusters at 1.5 / 5 / 15
-minutes, 0.47x / 0.43x / 0.46x on the 10,000 xTB frames."""
+sides are processes, ``--parallel`` at a time, one thread each. The committed reports:
+docs/benchmarks/forces/; their figures: docs/benchmarks/README.md."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Full QM9 training epochs on one GPU: ours (each precision, eager and a CUDA graph per step,
-and the tf32 step ``VARIANTS``) against stock PyG SchNet, side by side in one process. Measured
-(H200, ``gpu-h200-2048-compiled-8x8``): tf32, compiled, table filter, CUDA graph, ~2,015
-molecules per step: 0.277 s per full epoch, 8.6x stock PyG at batch 2048 in the same run.
+and the tf32 step ``VARIANTS``) against stock PyG SchNet, side by side in one process. The
+committed reports (H100, H200): docs/benchmarks/gpu/; their figures: docs/benchmarks/README.md.
 ``--profile``: the top kernels per step; ``--device cpu --subset 300 --quick``: a CPU smoke run."""
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Loader-only molecules/s of ``configs/qm9.yaml``'s training loader, cold and warm, for
 every feed mode (in-process, threads, the torch program instead of numba's loop,
 device-resident), side by side with stock PyG's DataLoader over the same molecules (radius
-edges as a transform). Measured (``loader-cpu``, 2 cores): warm 6.0e5 molecules/s in
-process, 274x PyG's DataLoader; cold (pairs build and first epoch included) 118x."""
+edges as a transform). The committed reports: docs/benchmarks/loader/; their figures:
+docs/benchmarks/README.md."""
 
 from __future__ import annotations
 

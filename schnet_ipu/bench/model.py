@@ -1,8 +1,8 @@
 """Forward+backward speed of our SchNet against PyG's stock SchNet on identical molecules,
 weights and interaction graphs: PyG gets our graph's real edges (precomputed, no
 torch-cluster) and their lengths from ``pos`` (timed); our knn search is timed, which
-favours PyG. Measured (``model-cpu-quick``): ours radius pair-symmetric 1.65x PyG, with the
-tabulated filter 4.90x; knn 0.47x, with the table 2.54x."""
+favours PyG. The committed report: docs/benchmarks/model/; its figures:
+docs/benchmarks/README.md."""
 
 import numpy as np
 import torch

@@ -1,7 +1,7 @@
 """Periodic systems: ``frames`` strained, rattled 32-atom fcc Cu cells, their pairs file built
 at 5 A and their first ``compare`` frames listed by vesin, ASE and matscipy (if installed);
-energy + force steps on them with and without shifts and cells. Measured (``periodic-cpu``):
-vesin 2.1x faster than matscipy, 55x than ASE; a periodic step 1.00x a molecular one."""
+energy + force steps on them with and without shifts and cells. The committed report:
+docs/benchmarks/periodic/; its figures: docs/benchmarks/README.md."""
 
 from __future__ import annotations
 
@@ -128,4 +128,4 @@ def run(frames: int = 100_000, compare: int = 300, steps: int = 20, trained: int
     notes = [f"{frames} frames of 32 fcc Cu atoms, cutoff {CUTOFF} A; full lists of the first "
              f"{compare} frames, 3 rounds; energy + force steps (SchNet 64/64/3, one thread): "
              f"{steps} per round, 5 rounds."]  # fmt: skip
-    return common.new_report("periodic", rows, ratios, notes, **facts)  # periodic-cpu.json's keys
+    return common.new_report("periodic", rows, ratios, notes, **facts)  # the report's keys

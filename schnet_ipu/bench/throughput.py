@@ -2,7 +2,9 @@
 PyG SchNet, the same model size, loss and molecules, about ``batch_molecules`` per step; and
 the shipped QM9 recipe as it trains (:data:`schnet_ipu.recipes.RECIPES` ``energies``: two
 compiled replicas of 16 packs, the 128-point table, bf16 where the CPU multiplies it), its
-molecules per step its own. Every variant is timed in interleaved rounds (:mod:`.common`)."""
+molecules per step its own. Every variant is timed in interleaved rounds (:mod:`.common`).
+The committed report: docs/benchmarks/throughput/; its figures, with the machine they were
+measured on: docs/benchmarks/README.md."""
 
 from __future__ import annotations
 
