@@ -8,8 +8,9 @@ thread and one replica for two epochs, with the table filter and with the exact 
 each best checkpoint as TorchScript, and evaluates fixed structures (a QM9 molecule, a periodic
 cell) through the ASE calculator, ``train.py predict --model`` and the exported files. ``check``
 does all of that again in a fresh folder (the losses and ``best.pt`` must be bit-identical, less
-the three entries that differ between any two runs: the wall-clock ``budget_seconds``, the
-unseeded state of Python's ``random`` and the run folder's path), and
+the entries that differ between any two runs: the wall-clock ``budget_seconds``, the unseeded
+state of Python's ``random`` and the run folder's path; and the config's ``recipe`` label,
+which a resume does not compare either), and
 also evaluates the checkpoints and exported files that ``make`` wrote with today's code (their
 energies, forces and stress must be identical). It uses only the command line, the exported
 files and ``schnet_ipu.calculator``, which every layout keeps.
@@ -130,6 +131,7 @@ def checkpoint_digest(path: Path) -> dict:
     state.pop("budget_seconds", None)
     state.get("rng", {}).pop("python", None)
     state["config"]["logging"].pop("run_dir")
+    state["config"].pop("recipe", None)  # names where unset keys came from (configs name it now)
 
     def plain(value):
         if isinstance(value, torch.Tensor):

@@ -56,9 +56,6 @@ class Headline:
     peer_name: str = ""
 
 
-Rule = Callable[[dict], list[Headline]]
-
-
 def figure_text(number: float) -> str:
     """Four significant digits, thousands grouped: 0.0001234, 12.35, 1,234, 56,789."""
     return f"{number:,.0f}" if abs(number) >= 1_000 else f"{number:.4g}"
@@ -255,7 +252,8 @@ def partial_labels(report: dict) -> list[Headline]:
 
 
 # Report file name (without .json) -> its rule, in the table's order.
-RULES: dict[str, tuple[str, Rule]] = {
+# a report's kind -> (its suite, the rule that reads its headline figures)
+RULES: dict[str, tuple[str, Callable[[dict], list[Headline]]]] = {
     "accuracy": ("accuracy", accuracy),
     "forces": ("forces", forces),
     "throughput": ("throughput", throughput),

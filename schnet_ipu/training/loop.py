@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -130,16 +130,16 @@ def run(cfg: Config, fresh: bool = False) -> None:
         raise SystemExit(EXIT_INTERRUPTED)
 
     stop = StopFlag(replica.world_size)
+    parts = EpochParts(
+        cfg, backend, task, scheduler, train_loader, replica, stop, budget, runlog, average, guard
+    )
     # Ctrl-C anywhere in an epoch (training, validation, checkpoints) is a stop request:
     # inside the training loop it stops at the next host call, later at the epoch's end
     with on_ctrl_c(stop.request):
         # an epoch is validated at its end, or (with a budget) in chunks of at most 10% of it
         while progress.epoch < cfg.optim.epochs and not budget.exhausted():
             epoch, first_call = progress.epoch, progress.call
-            stats = train_epoch(
-                cfg, backend, task, scheduler, train_loader, epoch, first_call, runlog, replica,
-                stop, budget, average, guard, until=budget.next_validation(),
-            )  # fmt: skip
+            stats = train_epoch(parts, epoch, first_call, until=budget.next_validation())
             if stop.requested:
                 progress.epoch, progress.call = epoch, stats["calls"]
                 checkpoint(last_path)
@@ -195,33 +195,40 @@ def run(cfg: Config, fresh: bool = False) -> None:
     shutdown_replica()
 
 
-def train_epoch(
-    cfg: Config,
-    backend: Backend,
-    task: Task,
-    scheduler,
-    loader: PackedLoader,
-    epoch: int,
-    first_call: int,
-    runlog: RunLog | None,
-    replica: ReplicaInfo,
-    stop: StopFlag,
-    budget: Budget,
-    average: WeightAverage | None,
-    guard: SpikeGuard | None = None,
-    until: float = math.inf,
-) -> dict:
-    """One epoch of host calls from ``first_call`` until the epoch ends, the ``budget`` is
+@dataclass
+class EpochParts:
+    """What every epoch of one replica's run trains with, built once by :func:`run`."""
+
+    cfg: Config
+    backend: Backend
+    task: Task
+    scheduler: Any  # torch's LR schedulers share no public base class
+    loader: PackedLoader  # the training split's
+    replica: ReplicaInfo
+    stop: StopFlag
+    budget: Budget
+    runlog: RunLog | None  # rank 0's; None on the other replicas
+    average: WeightAverage | None
+    guard: SpikeGuard | None
+
+
+def train_epoch(parts: EpochParts, epoch: int, first_call: int, until: float = math.inf) -> dict:
+    """One epoch of host calls from ``first_call`` until the epoch ends, the budget is
     spent, its clock reaches ``until`` seconds (time to validate) or a stop is requested;
-    returns its mean (finite) loss, throughput and time split. ``average`` follows every
-    call. Replicas agree on the budget's clock and on a stop request every
+    returns its mean (finite) loss, throughput and time split. The weight average follows
+    every call. Replicas agree on the budget's clock and on a stop request every
     ``logging.log_every`` calls, so all stop at the same call.
 
     The step losses stay on the device: they are read (one synchronisation) every
     ``logging.log_every`` host calls and at the end of the epoch, and checked then: by the
-    ``guard`` (their mean, the largest over replicas, agreed with the clock), which may roll
+    guard (their mean, the largest over replicas, agreed with the clock), which may roll
     back; without one a non-finite loss stops the run.
     """
+    cfg, backend, task, scheduler, loader = (
+        parts.cfg, parts.backend, parts.task, parts.scheduler, parts.loader,
+    )  # fmt: skip
+    replica, stop, budget, runlog = parts.replica, parts.stop, parts.budget, parts.runlog
+    average, guard = parts.average, parts.guard
     steps_per_call = cfg.backend.device_iterations
 
     def read_and_check(step: int) -> list[float]:
