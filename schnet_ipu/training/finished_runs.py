@@ -141,7 +141,9 @@ def store_energies(
 
 
 def predict_split(run_dir: Path, split: str, out: Path) -> int:
-    """Write index, target, prediction, error per molecule (the store's own target) to CSV."""
+    """``train.py predict --run RUN``: the run's own ``split``, one CSV row per molecule
+    (index, target, prediction, error in the store's own target). New structures, without
+    the run's data, are :func:`schnet_ipu.inference.predictor.predict_file`'s."""
     if not out.parent.is_dir():  # before the slow part, and naming ``out``, not a temp file
         raise FileNotFoundError(errno.ENOENT, "no such folder", str(out))
     cfg, data, host, task = load_run(run_dir)
