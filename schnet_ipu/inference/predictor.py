@@ -34,8 +34,9 @@ import torch
 
 from schnet_ipu.data.ase_files import check_frame, frame_cell, read_frames, write_extxyz
 from schnet_ipu.errors import CheckpointError
+from schnet_ipu.files import check_output
 from schnet_ipu.inference.force_paths import ForcePath, Structure, force_path
-from schnet_ipu.inference.model_file import ModelSpec, load_trained
+from schnet_ipu.inference.model_file import ModelSpec, checkpoint_path, load_trained
 
 log = logging.getLogger("schnet_ipu")
 
@@ -148,10 +149,13 @@ def predict_file(models: ModelPaths, input_path: Path, out: Path) -> int:
     """``train.py predict --model M --input FILE``: every frame of ``input_path`` (any
     ASE-readable file) to ``out`` (extxyz) with ``info["energy"]`` and ``arrays["forces"]``,
     ``info["stress"]`` (Voigt) for periodic frames, plus ``info["energy_std"]`` and
-    ``arrays["forces_std"]`` for an ensemble. Returns the frame count. (A run's own split is
+    ``arrays["forces_std"]`` for an ensemble. Returns the frame count. ``out`` may not be a
+    folder, the input or a model file (one line, nothing written). (A run's own split is
     :func:`schnet_ipu.training.finished_runs.predict_split`'s.)"""
     from ase import Atoms
 
+    models_read = [("model checkpoint", checkpoint_path(m)) for m in model_paths(models)]
+    check_output(out, [("input file", input_path), *models_read])
     frames = read_frames(input_path)
     places = [f"{input_path}, frame {i}" for i in range(len(frames))]
     structures = [(*check_frame(a, at), *frame_cell(a, at)) for a, at in zip(frames, places)]
