@@ -80,8 +80,14 @@ class Structure:
 
 
 class ForcePath(Protocol):
-    """A trained model's energy, forces and virial for one structure (see the module
-    docstring for the implementations, and why the training model is not one)."""
+    """A trained model's energy, forces and virial for one structure.
+
+    Implemented by :class:`DirectPath` (table-filter radius models, numba), :class:`EdgeListPath`
+    (other radius models, the portable model over the half list) and :class:`KnnPath` (knn
+    models, their own search); :func:`force_path` picks one per model. The training model
+    (:func:`~schnet_ipu.response.energy_response` on :mod:`schnet_ipu.model.schnet`) is not
+    one: it takes packed, padded batches of many structures at fixed shapes and searches each
+    pack's graph itself, so one structure's half list is not its input."""
 
     def energy_forces(self, structure: Structure) -> EnergyForces:
         """(energy in the model's unit with its atom references, forces = -dE/dpos float64
