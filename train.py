@@ -7,6 +7,9 @@
     python train.py predict --model best.pt [--model b.pt ...] --input new.extxyz --out out.extxyz
     python train.py export --run runs/emt_forces --out emt.torchscript.pt [--dtype float64]
 
+``predict`` has two forms: with --run alone, the run's own data split to CSV; with --input,
+new structures (any ASE-readable file) to extxyz.
+
 Re-running a training command in the same run directory resumes from its last checkpoint;
 --fresh discards that run instead.
 """
@@ -31,8 +34,10 @@ def main(argv: list[str]) -> int:
     configure_logging()
     if argv and argv[0] == "export":
         return run_cli(lambda: export_command(argv[1:]))
-    if argv and argv[0] in ("evaluate", "predict"):
-        return run_cli(lambda: run_command(argv[0], argv[1:]))
+    if argv and argv[0] == "evaluate":
+        return run_cli(lambda: evaluate_command(argv[1:]))
+    if argv and argv[0] == "predict":
+        return run_cli(lambda: predict_command(argv[1:]))
     return run_cli(lambda: train_command(argv))
 
 
@@ -75,71 +80,116 @@ def final_line(final: dict, run_dir: Path) -> str:
     return f"{'; '.join(parts)}; {seconds:.0f} s; records in {run_dir / 'metrics.jsonl'}"
 
 
-def run_command(command: str, argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog=f"train.py {command}")
-    if command == "evaluate":
-        parser.add_argument(
-            "--run", type=Path, action="append", help="run directory (repeat for an ensemble)"
-        )
-    else:
-        parser.add_argument("--run", type=Path, help="run directory")
+def evaluate_command(argv: list[str]) -> int:
+    """``train.py evaluate``: a finished run's errors on one of its splits (an ensemble's
+    with several --run)."""
+    parser = argparse.ArgumentParser(
+        prog="train.py evaluate",
+        description="Errors of a finished run's model on one of its data splits (metrics as "
+        "JSON; parity plot and error histogram in the run folder); several --run: an "
+        "ensemble's mean energy.",
+    )
+    parser.add_argument(
+        "--run", type=Path, action="append", help="run directory (repeat for an ensemble)"
+    )
     parser.add_argument("--split", default="test", choices=("train", "val", "test"))
-    parser.set_defaults(model=None, input=None, out=None)
-    if command == "predict":
-        parser.add_argument(
-            "--model",
-            type=Path,
-            action="append",
-            help="checkpoint file or run folder (repeat for an ensemble); needs --input",
-        )
-        parser.add_argument(
-            "--out",
-            type=Path,
-            help="CSV path (default RUN/predictions_SPLIT.csv); with --input an extxyz path "
-            "(default RUN/predictions.extxyz)",
-        )
-        parser.add_argument(
-            "--input", type=Path, help="ASE-readable structures: writes them as extxyz to --out"
-        )
     args = parser.parse_args(argv)
-    if command == "evaluate" and args.run and len(args.run) > 1:
+    if not args.run:
+        parser.error("give --run RUN")
+    if len(args.run) > 1:
         from schnet_ipu.training.finished_runs import evaluate_ensemble
 
         print(json.dumps(evaluate_ensemble(args.run, args.split), indent=2))  # reads only
         return 0
-    if command == "evaluate" and args.run:
-        args.run = args.run[0]
-    models = args.model or ([args.run] if args.run else [])
-    if not models:
-        parser.error("give --run RUN" + (" or --model FILE" if command == "predict" else ""))
-    if command == "predict" and args.input is not None and args.out is None and not args.run:
-        parser.error("--model with --input needs --out")
-    if args.run is None and (command == "evaluate" or args.input is None):
-        parser.error(f"{command} of a split needs --run RUN (the run's data)")
+    from schnet_ipu.training.finished_runs import evaluate_run
     from schnet_ipu.training.lock import hold_run_lock
 
-    # evaluate writes its pictures into the run folder, predict its output by default: they
-    # hold the folder's lock; predict --out elsewhere (or of --model files) only reads
+    with hold_run_lock(args.run[0], holder=True):  # its pictures go into the run folder
+        print(json.dumps(evaluate_run(args.run[0], args.split), indent=2))
+    return 0
+
+
+PREDICT_FORMS = """two forms:
+  predict --run RUN [--split S] [--out F.csv]
+      the run's own data split: one CSV row per molecule (index, target, prediction, error)
+  predict --model M [--model M2 ...] --input FILE --out F.extxyz   (or --run RUN --input FILE)
+      new structures from any ASE-readable file: written as extxyz with predicted energy,
+      forces (and stress, and an ensemble's spread)"""
+
+
+def predict_command(argv: list[str]) -> int:
+    """``train.py predict``: a run's split -> CSV (:func:`predict_run_split`), or new
+    structures -> extxyz (:func:`predict_new_structures`); see ``PREDICT_FORMS``."""
+    parser = argparse.ArgumentParser(
+        prog="train.py predict",
+        description="Predictions of trained models, in one of two forms (below).",
+        epilog=PREDICT_FORMS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--run", type=Path, help="run directory")
+    parser.add_argument(
+        "--split",
+        default="test",
+        choices=("train", "val", "test"),
+        help="the run's split to predict (without --input)",
+    )
+    parser.add_argument(
+        "--model",
+        type=Path,
+        action="append",
+        help="checkpoint file or run folder (repeat for an ensemble); needs --input",
+    )
+    parser.add_argument(
+        "--input",
+        type=Path,
+        help="ASE-readable new structures: writes them with predictions as extxyz to --out",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="CSV path (default RUN/predictions_SPLIT.csv); with --input an extxyz path "
+        "(default RUN/predictions.extxyz)",
+    )
+    args = parser.parse_args(argv)
+    if not (args.model or args.run):
+        parser.error("give --run RUN or --model FILE")
+    if args.input is not None and args.out is None and not args.run:
+        parser.error("--model with --input needs --out")
+    if args.input is None and args.run is None:
+        parser.error("predict of a split needs --run RUN (the run's data)")
+    from schnet_ipu.training.lock import hold_run_lock
+
+    # predict writes its output into the run folder by default: it holds the folder's lock
+    # there; --out elsewhere (or --model files alone) only reads
     writes_there = args.run is not None and (
         args.out is None or args.run.resolve() in args.out.resolve().parents
     )
     lock = hold_run_lock(args.run, holder=writes_there) if args.run else nullcontext()
     with lock:
-        if command == "predict" and args.input is not None:
-            from schnet_ipu.inference.predictor import predict_file
+        if args.input is not None:
+            return predict_new_structures(args.model or [args.run], args.input, args.out, args.run)
+        return predict_run_split(args.run, args.split, args.out)
 
-            out = args.out or args.run / "predictions.extxyz"
-            frames = predict_file(models, args.input, out)
-            print(f"wrote {frames} structures with predicted energy and forces to {out}")
-            return 0
-        from schnet_ipu.training.finished_runs import evaluate_run, predict_split
 
-        if command == "evaluate":
-            print(json.dumps(evaluate_run(args.run, args.split), indent=2))
-        else:
-            out = args.out or args.run / f"predictions_{args.split}.csv"
-            rows = predict_split(args.run, args.split, out)
-            print(f"wrote {rows} predictions to {out}")
+def predict_run_split(run: Path, split: str, out: Path | None) -> int:
+    """``predict --run RUN``: the run's own ``split`` -> CSV (default in the run folder)."""
+    from schnet_ipu.training.finished_runs import predict_split
+
+    out = out or run / f"predictions_{split}.csv"
+    rows = predict_split(run, split, out)
+    print(f"wrote {rows} predictions to {out}")
+    return 0
+
+
+def predict_new_structures(
+    models: list[Path], source: Path, out: Path | None, run: Path | None
+) -> int:
+    """``predict --model M --input FILE``: new structures -> extxyz (default in ``run``)."""
+    from schnet_ipu.inference.predictor import predict_file
+
+    out = out or run / "predictions.extxyz"
+    frames = predict_file(models, source, out)
+    print(f"wrote {frames} structures with predicted energy and forces to {out}")
     return 0
 
 

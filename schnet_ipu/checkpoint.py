@@ -106,7 +106,8 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
             f"strings, lists and dicts ({unsupported[0].strip()}), which could run code; it "
             "is not a checkpoint of this program. Delete it or train again"
         ) from err
-    except (OSError, RuntimeError, EOFError, KeyError, ValueError) as err:
+    except Exception as err:  # the unpickler fails on foreign bytes in many ways (a text
+        # file: IndexError from its stack); whatever it raises, the file is no checkpoint
         raise CheckpointError(
             f"{path}: unreadable checkpoint ({type(err).__name__}: {err}); delete it to start over"
         ) from err

@@ -3,7 +3,8 @@
 Every error a user can fix derives from :class:`UserError`; its message names the culprit
 (file, config key, record) and says what to do. The modules keep their own subclasses
 (``ConfigError``, ``StoreError``, ``PackingError``, ``LoaderError``, ``DeviceError``,
-``TrainingError``, ``CheckpointError``), each also deriving from the builtin it always did.
+``TrainingError``, ``CheckpointError``, ``OutputPathError``), each also deriving from the
+builtin it always did.
 
 Every command runs through :func:`run_cli`: a ``UserError`` or an expected OS error (missing
 file, a file where a folder should be, no permission, disk full) becomes one line
@@ -63,6 +64,11 @@ class ReplicaWaitError(UserError, TimeoutError):
 
 class RunDirError(UserError, ValueError):
     """A run directory's logs that cannot be used as they are."""
+
+
+class OutputPathError(UserError, ValueError):
+    """An output path that is a folder, or a file the command reads (writing would replace
+    it)."""
 
 
 def describe_os_error(err: OSError) -> str | None:

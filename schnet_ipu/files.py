@@ -1,16 +1,19 @@
-"""Writes that leave a file whole: appends that either land entirely or not at all.
+"""Writes that leave a file whole: appends that either land entirely or not at all, and
+outputs that never replace what the command reads.
 
 The run folder's records (:mod:`schnet_ipu.training.log`) and checkpoints
 (:mod:`schnet_ipu.checkpoint`) are written through these, so a full disk or a file-size
-limit never leaves a torn line or a half checkpoint behind.
+limit never leaves a torn line or a half checkpoint behind. The commands that write a file
+the user names (``train.py export``, ``predict``) check it first with :func:`check_output`.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
-from schnet_ipu.errors import RunDirError
+from schnet_ipu.errors import OutputPathError, RunDirError
 
 
 def append_whole(path: Path, data: bytes) -> None:
@@ -42,3 +45,20 @@ def write_failed(path: Path, err: OSError) -> RunDirError:
         "(records, last good checkpoint). Free some space, raise the file-size limit or make "
         "the folder writable, then re-run to resume"
     )
+
+
+def check_output(out: Path, inputs: Iterable[tuple[str, Path]]) -> None:
+    """Refuse, naming ``out`` as given, an output path that is a folder or one of the
+    ``inputs`` ((what, path) pairs: the files the command reads), compared as files, so a
+    symlink or hard link to an input, or an input reached through a symlinked folder, is
+    refused too."""
+    if out.is_dir():
+        raise OutputPathError(f"{out}: is a folder; give the path of a file to write (--out)")
+    if not out.exists():
+        return
+    for what, source in inputs:
+        if source.exists() and os.path.samefile(out, source):
+            raise OutputPathError(
+                f"{out}: is the {what} this command reads ({source}); writing there would "
+                "replace it: choose another --out"
+            )

@@ -320,8 +320,11 @@ def write_extxyz(frames: Sequence, out: Path) -> None:
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
-    ase.io.write(tmp, list(frames), format="extxyz")
-    tmp.replace(out)
+    try:
+        ase.io.write(tmp, list(frames), format="extxyz")
+        tmp.replace(out)
+    finally:
+        tmp.unlink(missing_ok=True)  # a failed write leaves nothing behind
 
 
 def single_point(atoms, calculator, stress: bool = False):

@@ -60,7 +60,7 @@ class SchNetCalculator(Calculator):
         }
         if result.stress is not None:
             self.results["stress"] = voigt(result.stress)
-        if len(self.predictor.modules) > 1:
+        if len(self.predictor.paths) > 1:
             self.results["energy_std"] = result.energy_std
             self.results["forces_std"] = result.forces_std
             if result.stress_std is not None:

@@ -142,7 +142,9 @@ def neighbour_pairs(
     if pbc is None:
         pbc = torch.ones(3, dtype=torch.bool, device=pos.device)
     cell = cell.detach().to(pos.dtype)
-    if float(torch.linalg.det(cell).abs()) < 1e-9:
+    if not bool(torch.isfinite(cell).all()):
+        raise ValueError("cell must be finite (NaN or inf found)")
+    if not float(torch.linalg.det(cell).abs()) >= 1e-9:
         raise ValueError("a periodic cell needs three independent vectors (zero volume given)")
     wrap, points, owner, shift = periodic_images(pos, cell, pbc, cutoff)
     i, m = candidate_pairs(pos - wrap @ cell, points, cutoff)

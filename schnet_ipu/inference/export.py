@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from schnet_ipu.inference.model_file import load_trained
+from schnet_ipu.files import check_output
+from schnet_ipu.inference.model_file import checkpoint_path, load_trained
 from schnet_ipu.inference.portable import PortableSchNet
 
 
@@ -26,12 +27,16 @@ def export_model(
     file), ``model.forward_edges(z, pos, edge_index, offsets, full_list)`` for an engine's
     own neighbour list; float32 or float64 inputs whatever ``dtype``.
 
+    ``out`` may not be a folder or the checkpoint it reads (one line, nothing written).
+
     TorchScript, not ``torch.export``: the forces are an autograd pass over a neighbour list
     whose length depends on the positions, and ``torch.export`` in torch 2.13 stops on that
     data-dependent size inside the backward (GuardOnDataDependentSymNode); TorchScript keeps
     both, and is what the OpenMM-Torch and LAMMPS plugins load today.
     """
-    trained = load_trained(model, checkpoint)
+    source = checkpoint_path(model, checkpoint)
+    check_output(out, [("checkpoint", source)])
+    trained = load_trained(source)
     module = PortableSchNet.from_trained(trained, dtype)
     with warnings.catch_warnings():  # TorchScript's deprecation notice: chosen knowingly
         warnings.simplefilter("ignore", DeprecationWarning)
@@ -58,8 +63,12 @@ def export_model(
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        torch.jit.save(scripted, str(tmp), _extra_files={"schnet_ipu.json": json.dumps(meta)})
-    tmp.replace(out)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            extra = {"schnet_ipu.json": json.dumps(meta)}
+            torch.jit.save(scripted, str(tmp), _extra_files=extra)
+        tmp.replace(out)
+    finally:
+        tmp.unlink(missing_ok=True)  # a failed write leaves nothing behind
     return meta

@@ -38,9 +38,14 @@ the compiled loop of :mod:`schnet_ipu.model.ops.fused_table` under autograd; the
 file reads the table in torch ops (same values): one ``embedding_bag`` per chunk of edges
 (``TABLE_CHUNK_BYTES``; the cubic's four rows weighted by powers of t, never gathered as
 [P, 4, F]), the chunk's gathered node rows written into one workspace per call and
-multiplied in place. Elements the model never saw raise, by number.
+multiplied in place.
 
-About 500 lines, one file: the whole exported model (blocks, both filter readings and the
+Bad input raises ValueError naming it: an element the model never saw (by number), positions
+that are not finite or not float32/float64, a cell that is not a finite [3, 3], a pbc without
+3 entries. Two atoms at one place give finite forces: their zero-length edge, which has no
+direction, adds no force (:func:`edge_lengths`), as in the direct path.
+
+About 560 lines, one file: the whole exported model (blocks, both filter readings and the
 table's written-out backward, the three entry points), as PyG's ``schnet.py`` keeps its
 model in one file to read top down.
 """
@@ -72,6 +77,27 @@ CHUNK_BYTES = 400_000
 # per call at 0.4 / 1.6 / 3.2 MB: 200-atom molecule 10.3 / 7.7 / 9.2, 1,000 Cu 14.6 / 12.2 /
 # 13.1, 10,000 Cu 137 / 116 / 117)
 TABLE_CHUNK_BYTES = 1_600_000
+
+
+def edge_lengths(vec: Tensor) -> Tensor:
+    """|vec| [P] of edge vectors [P, 3] whose gradient is 0 at zero length (two atoms at one
+    place: no direction, no force, as in the direct path) where sqrt's would be infinite and
+    make the forces NaN; elsewhere the values and gradients of ``vec.square().sum(-1).sqrt()``
+    bit for bit."""
+    squared = vec.square().sum(-1)
+    apart = squared > 0
+    root = torch.where(apart, squared, torch.ones_like(squared)).sqrt()
+    return torch.where(apart, root, torch.zeros_like(squared))
+
+
+def check_cell(cell: Tensor, pbc: Optional[Tensor]) -> None:
+    """Refuse by name a cell that is not a finite [3, 3], and a pbc without 3 entries."""
+    if cell.dim() != 2 or cell.shape[0] != 3 or cell.shape[1] != 3:
+        raise ValueError("cell must be [3, 3] (rows the lattice vectors)")
+    if not bool(torch.isfinite(cell).all()):
+        raise ValueError("cell must be finite (NaN or inf found)")
+    if pbc is not None and (pbc.dim() != 1 or pbc.shape[0] != 3):
+        raise ValueError("pbc must have 3 entries (one per lattice vector)")
 
 
 class ShiftedSoftplus(nn.Module):
@@ -366,6 +392,8 @@ class PortableSchNet(nn.Module):
     def check(self, z: Tensor, pos: Tensor) -> None:
         if z.dim() != 1 or pos.dim() != 2 or pos.shape[1] != 3 or pos.shape[0] != z.shape[0]:
             raise ValueError("expected z [N] and pos [N, 3]")
+        if pos.dtype != torch.float32 and pos.dtype != torch.float64:
+            raise ValueError("pos must be float32 or float64 (Angstrom)")
         if z.shape[0] == 0:
             raise ValueError("a structure needs at least one atom")
         if bool((z < 1).any()) or bool((z > 118).any()):
@@ -383,6 +411,10 @@ class PortableSchNet(nn.Module):
         module docstring for shapes and units)."""
         z = z.long()
         self.check(z, pos)
+        if cell is not None:
+            check_cell(cell, pbc)
+        if pbc is not None:
+            pbc = pbc.to(torch.bool)
         dtype = self.embedding.weight.dtype
         own = pos.detach().to(dtype)
         if self.k > 0:
@@ -491,7 +523,10 @@ class PortableSchNet(nn.Module):
                             symmetric, number > 0, workspace,
                         )  # fmt: skip
             dt_ddist = (self.filter_points - 1) / self.cutoff
-            grad = (grad_t * dt_ddist / dist).unsqueeze(1) * vec
+            # an edge of zero length (two atoms at one place) has no direction: it adds no
+            # force, as in the direct path (pair_loops.pair_forces), not 0 / 0
+            apart = torch.where(dist > 0, dist, torch.ones_like(dist))
+            grad = (grad_t * dt_ddist / apart).unsqueeze(1) * vec
         return energy, grad
 
     def grid_position(self, dist: Tensor) -> Tuple[Tensor, Tensor]:
@@ -506,7 +541,7 @@ class PortableSchNet(nn.Module):
         self, z: Tensor, vec: Tensor, receiver: Tensor, source: Tensor, symmetric: bool
     ) -> Tensor:
         """The model's energy float64 [] (no atom references) of edges with vectors vec [P, 3]."""
-        dist = vec.square().sum(-1).sqrt()
+        dist = edge_lengths(vec)
         empty = dist.new_zeros(0)
         if self.filter_points > 0:
             interval_index, t = self.grid_position(dist)

@@ -3,7 +3,7 @@ backward pass written out by hand instead of autograd: the ASE calculator's and
 ``predict``'s path for ``model.filter=table`` models
 (:class:`schnet_ipu.inference.predictor.Predictor`).
 
-    direct = direct_model(portable_module)   # schnet_ipu.inference.predictor: its frozen weights
+    direct = direct_model(portable_module)  # schnet_ipu.inference.force_paths: frozen weights
     energy, forces, virial = direct.energy_forces(z, pos, i, j, shift, cell)
 
 Why: a small structure's call was mostly overhead, not arithmetic. Through autograd a
@@ -90,7 +90,7 @@ class TableBlock:
 
 class DirectTableSchNet:
     """See the module docstring; built from a PortableSchNet by
-    :func:`schnet_ipu.inference.predictor.direct_model`.
+    :func:`schnet_ipu.inference.force_paths.direct_model`.
 
     Args:
         embedding: [rows, H] per-element features.

@@ -3,19 +3,19 @@
     metrics = evaluate(task, backend, loader, "val", world_size)   # every metric, one pass
 
 One loop (:func:`predictions`) serves training's validation and test and the finished runs
-(:mod:`schnet_ipu.training.finished_runs`):
-each batch's energies by the backend, or for force tasks energies, forces and stress from
-one :func:`~schnet_ipu.response.energy_response`; the errors are summed per batch
-(:func:`error_sums`, which add up over replicas) and turned into metrics once
-(:func:`metrics_from_sums`). Force and stress metrics count only the frames that carry those
-labels, and each comes with the frames it covered (``force_frames``, ``stress_frames``).
+(:mod:`schnet_ipu.training.finished_runs`): each batch's energies by the backend, or for
+force tasks energies, forces and stress from one :func:`~schnet_ipu.response.energy_response`;
+the errors are summed per batch into named :class:`ErrorSums` (:func:`error_sums`; they add
+up over replicas) and turned into metrics once (:func:`metrics_from_sums`). Force and stress
+metrics count only the frames that carry those labels, and each comes with the frames it
+covered (``force_frames``, ``stress_frames``).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import Protocol
 
 import numpy as np
@@ -87,65 +87,89 @@ def predictions(task: Task, backend: Evaluator, loader) -> Iterator[Predictions]
             )
 
 
-def error_sums(task: Task, parts: Iterator[Predictions]) -> Tensor:
-    """float64 [13]: sums of |error|, error^2, (error / scale)^2, molecules, |error| / atoms,
-    |force component error|, force components, frames with forces, |stress component
-    error|, stress components, frames with stress, force component error^2, stress
-    component error^2; they add up over batches and replicas."""
-    sums = torch.zeros(13, dtype=torch.float64)
+@dataclass
+class ErrorSums:
+    """A split's errors as sums that add up over batches and replicas (``+``); one float64
+    tensor (:meth:`as_tensor`, fields in order) is what replicas all-reduce."""
+
+    abs_error: float = 0.0  # sum over frames of |energy error|
+    squared_error: float = 0.0  # of energy error^2
+    scaled_squared_error: float = 0.0  # of (energy error / the task's loss scale)^2
+    molecules: float = 0.0  # frames evaluated
+    abs_error_per_atom: float = 0.0  # of |energy error| / atoms
+    force_abs_error: float = 0.0  # over force components of frames with target forces
+    force_components: float = 0.0
+    force_frames: float = 0.0  # frames with target forces
+    stress_abs_error: float = 0.0  # over stress components of frames with target stress
+    stress_components: float = 0.0
+    stress_frames: float = 0.0  # frames with target stress
+    force_squared_error: float = 0.0
+    stress_squared_error: float = 0.0
+
+    def __add__(self, other: ErrorSums) -> ErrorSums:
+        return ErrorSums(*(a + b for a, b in zip(astuple(self), astuple(other))))
+
+    def as_tensor(self) -> Tensor:
+        """float64 [fields], in the fields' order."""
+        return torch.tensor(astuple(self), dtype=torch.float64)
+
+    @classmethod
+    def from_tensor(cls, sums: Tensor) -> ErrorSums:
+        return cls(*sums.tolist())
+
+
+def error_sums(task: Task, parts: Iterator[Predictions]) -> ErrorSums:
+    """The :class:`ErrorSums` of a pass's batches."""
+    sums = ErrorSums()
     for p in parts:
         error = p.energy - p.energy_true
         force_error = np.zeros(0) if p.forces is None else (p.forces - p.forces_true).ravel()
         stress_error = np.zeros(0) if p.stress is None else (p.stress - p.stress_true).ravel()
-        sums += torch.tensor(
-            [
-                np.abs(error).sum(),
-                (error**2).sum(),
-                ((error / task.transform.scale) ** 2).sum(),
-                len(error),
-                (np.abs(error) / p.atoms).sum(),
-                np.abs(force_error).sum(),
-                force_error.size,
-                0 if p.forces is None else p.force_frames,
-                np.abs(stress_error).sum(),
-                stress_error.size,
-                0 if p.stress is None else len(p.stress),
-                np.square(force_error).sum(),
-                np.square(stress_error).sum(),
-            ],
-            dtype=torch.float64,
+        sums += ErrorSums(
+            abs_error=float(np.abs(error).sum()),
+            squared_error=float((error**2).sum()),
+            scaled_squared_error=float(((error / task.transform.scale) ** 2).sum()),
+            molecules=float(len(error)),
+            abs_error_per_atom=float((np.abs(error) / p.atoms).sum()),
+            force_abs_error=float(np.abs(force_error).sum()),
+            force_components=float(force_error.size),
+            force_frames=float(0 if p.forces is None else p.force_frames),
+            stress_abs_error=float(np.abs(stress_error).sum()),
+            stress_components=float(stress_error.size),
+            stress_frames=float(0 if p.stress is None else len(p.stress)),
+            force_squared_error=float(np.square(force_error).sum()),
+            stress_squared_error=float(np.square(stress_error).sum()),
         )
     return sums
 
 
-def metrics_from_sums(task: Task, sums: Tensor, split: str) -> dict[str, float]:
+def metrics_from_sums(task: Task, sums: ErrorSums, split: str) -> dict[str, float]:
     """mae, rmse, loss (the task's objective, :meth:`~schnet_ipu.task.Task.objective`: the
     training loss on the split, force and stress terms included; its energy term is the
     squared error also under ``optim.energy_loss=l1``), molecules; with forces
     also energy_mae_per_atom, force_frames (frames with target forces) and force_mae over
     their atoms; with stress, stress_frames and stress_mae. An MAE over no frame is left
     out (its frame count, 0, says why)."""
-    abs_sum, sq_sum, loss_sum, count, per_atom = sums[:5].tolist()
-    f_abs, components, f_frames, s_abs, s_count, s_frames, f_sq, s_sq = sums[5:].tolist()
+    count, components, s_count = sums.molecules, sums.force_components, sums.stress_components
     if count == 0:
         raise ConfigError(f"the {split} split has no molecules to evaluate")
-    force_mse = f_sq / components if components else 0.0
-    stress_mse = s_sq / s_count if s_count else 0.0
+    force_mse = sums.force_squared_error / components if components else 0.0
+    stress_mse = sums.stress_squared_error / s_count if s_count else 0.0
     metrics = {
-        "mae": abs_sum / count,
-        "rmse": math.sqrt(sq_sum / count),
-        "loss": task.objective(loss_sum / count, force_mse, stress_mse),
+        "mae": sums.abs_error / count,
+        "rmse": math.sqrt(sums.squared_error / count),
+        "loss": task.objective(sums.scaled_squared_error / count, force_mse, stress_mse),
         "molecules": int(count),
     }
     if task.with_forces:
-        metrics["energy_mae_per_atom"] = per_atom / count
-        metrics["force_frames"] = int(f_frames)
+        metrics["energy_mae_per_atom"] = sums.abs_error_per_atom / count
+        metrics["force_frames"] = int(sums.force_frames)
         if components:
-            metrics["force_mae"] = f_abs / components
+            metrics["force_mae"] = sums.force_abs_error / components
     if task.with_stress:
-        metrics["stress_frames"] = int(s_frames)
+        metrics["stress_frames"] = int(sums.stress_frames)
         if s_count:
-            metrics["stress_mae"] = s_abs / s_count
+            metrics["stress_mae"] = sums.stress_abs_error / s_count
     return metrics
 
 
@@ -153,9 +177,10 @@ def evaluate(task: Task, backend: Evaluator, loader, split: str, world_size: int
     """Every metric of a split in one pass (each replica its share, then summed)."""
     sums = error_sums(task, predictions(task, backend, loader))
     if world_size > 1:  # on the replica's device: NCCL reduces CUDA tensors only
-        sums = sums.to(backend.device)
-        dist.all_reduce(sums)
-    return metrics_from_sums(task, sums.cpu(), split)
+        summed = sums.as_tensor().to(backend.device)
+        dist.all_reduce(summed)
+        sums = ErrorSums.from_tensor(summed.cpu())
+    return metrics_from_sums(task, sums, split)
 
 
 def trivial_baselines(

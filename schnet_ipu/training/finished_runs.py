@@ -27,7 +27,8 @@ from torch import Tensor, nn
 
 from schnet_ipu.batch import Batch
 from schnet_ipu.config import Config, ConfigError
-from schnet_ipu.inference.model_file import load_trained
+from schnet_ipu.files import check_output
+from schnet_ipu.inference.model_file import checkpoint_path, load_trained
 from schnet_ipu.task import Task, task_from_dict
 from schnet_ipu.training.data import PreparedData, make_loader, prepare_data
 from schnet_ipu.training.evaluation import (
@@ -141,10 +142,16 @@ def store_energies(
 
 
 def predict_split(run_dir: Path, split: str, out: Path) -> int:
-    """Write index, target, prediction, error per molecule (the store's own target) to CSV."""
+    """``train.py predict --run RUN``: the run's own ``split``, one CSV row per molecule
+    (index, target, prediction, error in the store's own target). New structures, without
+    the run's data, are :func:`schnet_ipu.inference.predictor.predict_file`'s. ``out`` may
+    not be a folder or a file the run reads (checkpoint, store, source files)."""
     if not out.parent.is_dir():  # before the slow part, and naming ``out``, not a temp file
         raise FileNotFoundError(errno.ENOENT, "no such folder", str(out))
+    check_output(out, [("checkpoint", checkpoint_path(run_dir))])
     cfg, data, host, task = load_run(run_dir)
+    stored = [("data store", Path(cfg.data.path))]
+    check_output(out, [*stored, *(("data file", Path(f)) for f in cfg.data.files)])
     rows = 0
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")  # out appears whole or not at all
     try:

@@ -716,3 +716,79 @@ def test_calculator_refuses_in_one_line(trained, numbers, positions, problem):
     with pytest.raises(UserError) as raised:
         atoms.get_potential_energy()
     assert problem in str(raised.value) and "\n" not in str(raised.value)
+
+
+# --- outputs that would destroy an input, or are folders ------------------------------------
+
+
+def test_export_onto_the_checkpoint_it_reads_is_refused(capsys, tmp_path, trained):
+    """--out the source checkpoint, a symlink to it, or it through a symlinked run folder."""
+    _, good_run = trained
+    run_dir = copy_run(good_run, tmp_path / "run")
+    best = run_dir / "checkpoints/best.pt"
+    (tmp_path / "link.pt").symlink_to(best)
+    (tmp_path / "run_link").symlink_to(run_dir, target_is_directory=True)
+    for source, out in (
+        (run_dir, best),
+        (best, best),
+        (run_dir, tmp_path / "link.pt"),
+        (tmp_path / "run_link", best),
+        (run_dir, tmp_path / "run_link/checkpoints/best.pt"),
+    ):
+        argv = ["export", "--run", str(source), "--out", str(out)]
+        line = refused(capsys, tmp_path, lambda argv=argv: train_cli.main(argv), str(out))
+        assert "checkpoint" in line and "choose another --out" in line, line
+
+
+@pytest.mark.parametrize("command", ["export", "predict --input", "predict --run"])
+def test_an_out_that_is_a_folder_is_named_as_given(capsys, tmp_path, trained, command):
+    """One line naming the folder as the user wrote it (no hidden temporary file), and
+    nothing left behind."""
+    _, good_run = trained
+    run_dir = copy_run(good_run, tmp_path / "run")
+    folder = tmp_path / "d"
+    folder.mkdir()
+    if command == "export":
+        argv = ["export", "--run", str(run_dir), "--out", str(folder)]
+    elif command == "predict --input":
+        source = structures_file(tmp_path / "in.extxyz", [[6, 1, 1, 1, 1]])
+        argv = predict_model(run_dir, source, folder)
+    else:
+        argv = ["predict", "--run", str(run_dir), "--out", str(folder)]
+    line = refused(capsys, tmp_path, lambda: train_cli.main(argv), str(folder), "is a folder")
+    assert ".tmp" not in line, line
+
+
+def test_predict_onto_a_file_it_reads_is_refused(capsys, tmp_path, trained):
+    """--out the --input file (also through a symlink, either way round) or the --model
+    checkpoint; predict --run onto the run's checkpoint or its store."""
+    store, good_run = trained
+    run_dir = copy_run(good_run, tmp_path / "run")
+    best = run_dir / "checkpoints/best.pt"
+    source = structures_file(tmp_path / "in.extxyz", [[6, 1, 1, 1, 1]])
+    link = tmp_path / "link.extxyz"
+    link.symlink_to(source)
+    for model, given, out, what in (
+        (best, source, source, "input file"),
+        (best, source, link, "input file"),
+        (best, link, source, "input file"),
+        (run_dir, source, best, "model checkpoint"),
+        (best, source, best, "model checkpoint"),
+    ):
+        argv = predict_model(model, given, out)
+        line = refused(capsys, tmp_path, lambda argv=argv: train_cli.main(argv), str(out), what)
+        assert "choose another --out" in line, line
+    store_digest = hashlib.sha256(store.read_bytes()).hexdigest()
+    for out, what in ((best, "checkpoint"), (store, "data store")):
+        argv = ["predict", "--run", str(run_dir), "--out", str(out)]
+        refused(capsys, tmp_path, lambda argv=argv: train_cli.main(argv), str(out), what)
+    assert hashlib.sha256(store.read_bytes()).hexdigest() == store_digest
+
+
+@pytest.mark.parametrize("text", ["some notes about my model\n", "epochs: 10\nlr: 0.001\n"])
+def test_a_text_file_as_model_is_one_line(capsys, tmp_path, text):
+    notes = tmp_path / "notes.pt"
+    notes.write_text(text)
+    source = structures_file(tmp_path / "in.extxyz", [[6, 1, 1, 1, 1]])
+    argv = predict_model(notes, source, tmp_path / "out.extxyz")
+    refused(capsys, tmp_path, lambda: train_cli.main(argv), str(notes), "unreadable checkpoint")

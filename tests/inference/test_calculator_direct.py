@@ -11,9 +11,10 @@ from ase import Atoms
 from ase.neighborlist import neighbor_list
 
 from schnet_ipu.inference.calculator import SchNetCalculator
+from schnet_ipu.inference.force_paths import DirectPath, EdgeListPath, half_list
 from schnet_ipu.inference.model_file import load_trained
 from schnet_ipu.inference.portable import FusedTableInteraction, PortableSchNet
-from schnet_ipu.inference.predictor import Predictor, half_list
+from schnet_ipu.inference.predictor import Predictor
 from schnet_ipu.model.ops import pair_loops
 from tests.inference.test_export_periodic import CUTOFF, copper_slab, sheared_bulk, write_model
 
@@ -38,8 +39,9 @@ def test_direct_energy_and_forces_equal_the_exported_torch_ops(tmp_path, dtype, 
     same half list: 1e-10 (float64) or 1e-5 (float32) relative to the largest entry."""
     trained = load_trained(write_model(tmp_path, "table", readout))
     predictor = Predictor(trained.path, dtype=dtype)
-    direct = predictor.direct[0]
-    assert direct is not None
+    [path] = predictor.paths
+    assert isinstance(path, DirectPath)
+    direct = path.model
     reference = PortableSchNet.from_trained(trained, dtype)
     assert not isinstance(reference.interactions[0], FusedTableInteraction)
     tolerance = 1e-10 if dtype == torch.float64 else 1e-5
@@ -68,8 +70,8 @@ def test_the_calculator_takes_the_direct_path_for_table_models_only(tmp_path):
     differences of its own energy; an exact-filter model keeps autograd."""
     table = SchNetCalculator(write_model(tmp_path, "table", "sum"))
     exact = SchNetCalculator(write_model(tmp_path, "exact", "sum"))
-    assert table.predictor.direct[0] is not None
-    assert exact.predictor.direct == [None]
+    assert [type(path) for path in table.predictor.paths] == [DirectPath]
+    assert [type(path) for path in exact.predictor.paths] == [EdgeListPath]
     atoms = structures()["sheared bulk"]
     atoms.calc = table
     forces = atoms.get_forces()

@@ -23,7 +23,7 @@ from schnet_ipu.config import ModelConfig
 from schnet_ipu.data.periodic_pairs import frame_pairs
 from schnet_ipu.feed.collate import PackMolecule, collate
 from schnet_ipu.feed.layout import Layout
-from schnet_ipu.inference import predictor as inference
+from schnet_ipu.inference import force_paths
 from schnet_ipu.inference.calculator import SchNetCalculator
 from schnet_ipu.inference.export import export_model
 from schnet_ipu.inference.model_file import ModelSpec, load_trained
@@ -176,7 +176,7 @@ def test_without_vesin_the_calculator_searches_with_the_torch_cell_list(
     with_vesin = Predictor(model_path, dtype=torch.float64).predict(
         atoms.numbers, atoms.positions, cell=atoms.cell.array, pbc=atoms.pbc
     )
-    monkeypatch.setattr(inference, "vesin", None)
+    monkeypatch.setattr(force_paths, "vesin", None)
     without = Predictor(model_path, dtype=torch.float64).predict(
         atoms.numbers, atoms.positions, cell=atoms.cell.array, pbc=atoms.pbc
     )
@@ -289,7 +289,7 @@ def test_the_calculators_fused_loops_equal_the_torch_ops(tmp_path, dtype, full_l
     pair-symmetric layout; full: one edge per filter): energy, forces and virial equal to
     1e-10 (float64) or 1e-5 (float32) of the largest entry."""
     trained = load_trained(write_model(tmp_path, "table"))
-    fused = Predictor(trained.path, dtype=dtype).modules[0]
+    fused = force_paths.portable_module(trained, dtype)
     reference = PortableSchNet.from_trained(trained, dtype)
     assert isinstance(fused.interactions[0], FusedTableInteraction)
     assert not isinstance(reference.interactions[0], FusedTableInteraction)

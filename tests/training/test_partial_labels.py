@@ -23,7 +23,12 @@ from schnet_ipu.model import SchNet
 from schnet_ipu.response import energy_response
 from schnet_ipu.task import EnergyForceTask, TargetTransform
 from schnet_ipu.training.data import prepare_data
-from schnet_ipu.training.evaluation import error_sums, metrics_from_sums, predictions
+from schnet_ipu.training.evaluation import (
+    ErrorSums,
+    error_sums,
+    metrics_from_sums,
+    predictions,
+)
 from schnet_ipu.training.finished_runs import HostModel, evaluate_run, predict_split
 from schnet_ipu.training.log import read_records
 from schnet_ipu.training.loop import train
@@ -195,6 +200,29 @@ def test_metrics_count_the_frames_that_carry_each_label(mixed_store):
     assert metrics["force_frames"] == store.forces_mask().sum() < len(store)
     assert metrics["stress_frames"] == store.stress_mask().sum() < store.cells()[1].any(1).sum()
     assert metrics["force_mae"] > 0 and metrics["stress_mae"] > 0
+
+
+def test_error_sums_of_shares_add_up_to_the_whole_through_one_tensor(mixed_store):
+    """Two replicas' shares of a pass: their named sums added field by field, or as the one
+    float64 tensor each would all-reduce, are the sums of the whole pass, metrics alike."""
+    store = MoleculeStore(mixed_store)
+    torch.manual_seed(0)
+    model = SchNet(8, 8, 1, 6, 5.0, graph="radius", ops="torch")
+    task = EnergyForceTask(TargetTransform((0.0,) * 119, 2.0), 0.7, 1.0, 0.02, 1.0)
+    host = HostModel(model, torch.device("cpu"))
+    parts = list(predictions(task, host, PackedLoader(periodic_dataset(store))))
+    assert len(parts) >= 2
+    first, second = error_sums(task, parts[::2]), error_sums(task, parts[1::2])
+    added = first + second
+    reduced = ErrorSums.from_tensor(first.as_tensor() + second.as_tensor())
+    assert reduced == added and first.as_tensor().dtype == torch.float64
+    whole = error_sums(task, parts)
+    assert whole.molecules == len(store) == first.molecules + second.molecules
+    assert first.force_frames > 0 and second.force_frames > 0
+    assert dataclasses.astuple(added) == pytest.approx(dataclasses.astuple(whole), rel=1e-12)
+    assert metrics_from_sums(task, added, "val") == pytest.approx(
+        metrics_from_sums(task, whole, "val"), rel=1e-12
+    )
 
 
 def test_training_and_evaluation_say_how_many_frames_each_metric_covered(mixed_file, tmp_path):
