@@ -44,9 +44,8 @@ def test_the_mace_side_trains_beside_ours(tmp_path):
     assert theirs["name"].startswith("MACE ") and ours["name"] == "ours"
     for key in ("test_energy_mae_eV", "test_energy_mae_per_atom", "test_force_mae"):
         assert math.isfinite(theirs[key]) and theirs[key] > 0, key
-    # 16 training frames in batches of 10 with the last one dropped: one step an epoch
-    assert theirs["structures_seen"] > 0 and theirs["structures_seen"] % 10 == 0
-    assert theirs["epochs"] == pytest.approx(theirs["structures_seen"] / 16)
+    assert theirs["structures_seen"] > 0 and theirs["structures_per_s"] > 0
+    assert theirs["epochs"] == pytest.approx(theirs["structures_seen"] / 16)  # 16 train frames
     assert SECONDS <= theirs["seconds"] < 60  # it trains until its budget is spent
     curve = theirs["curve"]
     assert len(curve) >= 1 and all(len(point) == 3 for point in curve)
