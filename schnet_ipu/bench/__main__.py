@@ -4,9 +4,10 @@ Each suite's module docstring says what it measures. Suite options (another suit
 they override ``--quick``'s reduced settings): ``--device`` (gpu, force_step), ``--subset N``
 (gpu, accuracy), ``--molecules-per-step N`` and ``--profile`` (gpu), ``--minutes M`` (accuracy,
 forces), ``--ours-only`` and ``--run-dir DIR`` (accuracy), ``--set section.key=value`` (gpu,
-accuracy, forces, force_step), ``--config C`` (forces, force_step), ``--parallel N`` (forces),
-``--variant`` (forces: ``'NAME: key=value ...'``; gpu and force_step: a name of the module's
-``VARIANTS``). Each writes ``SUITE.json``, ``.md`` and ``.png`` in ``--out-dir``.
+accuracy, forces, force_step), ``--config C`` (forces, force_step), ``--parallel N`` and
+``--peer schnetpack|mace|both`` (forces), ``--variant`` (forces: ``'NAME: key=value ...'``;
+gpu and force_step: a name of the module's ``VARIANTS``). Each writes ``SUITE.json``, ``.md``
+and ``.png`` in ``--out-dir``.
 
 ``python -m schnet_ipu.bench table [--check]`` rewrites (or checks) the headline table of
 docs/benchmarks/README.md from the committed reports (:mod:`schnet_ipu.bench.table`)."""
@@ -30,7 +31,7 @@ SUITES = ("throughput", "batching", "loader", "model", "gpu", "dense", "balance"
 OPTIONS = {"device": ("device", {}), "subset": ("subset", {"type": int}),
            "minutes": ("minutes", {"type": float}), "set": ("overrides", {"action": "append"}),
            "config": ("config", {}), "variant": ("variants", {"action": "append"}),
-           "parallel": ("parallel", {"type": int}),
+           "parallel": ("parallel", {"type": int}), "peer": ("peer", {}),
            "molecules_per_step": ("molecules_per_step", {"type": int}),
            "profile": ("profile", {"action": "store_true", "default": None}),
            "ours_only": ("ours_only", {"action": "store_true", "default": None}),
