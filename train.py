@@ -51,7 +51,8 @@ def train_command(argv: list[str]) -> int:
         from schnet_ipu.training.loop import train  # heavy imports only once the config is valid
 
         final = train(cfg, fresh=args.fresh)
-    print(final_line(final, Path(cfg.logging.run_dir)))
+    if final:  # rank 0's; under torchrun the other ranks end without a line
+        print(final_line(final, Path(cfg.logging.run_dir)))
     return 0
 
 

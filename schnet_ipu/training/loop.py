@@ -51,8 +51,9 @@ from schnet_ipu.training.budget import Budget, WeightAverage
 from schnet_ipu.training.data import make_loader, prepare_data
 from schnet_ipu.training.evaluation import evaluate
 from schnet_ipu.training.guard import Spike, SpikeGuard, Trainee, check_beats_baseline
+from schnet_ipu.training.lock import launcher_rank
 from schnet_ipu.training.log import RunLog, read_records
-from schnet_ipu.training.records import open_run_dir, write_epoch, write_final
+from schnet_ipu.training.records import open_run_dir, write_epoch, write_final, write_seen
 from schnet_ipu.training.setup import make_scheduler, make_trainer, model_spec
 from schnet_ipu.training.state import Progress, RunState, read_resume
 
@@ -63,10 +64,13 @@ def train(cfg: Config, fresh: bool = False) -> dict:
     """Train as configured (spawning replicas when asked) and return the final record.
     ``fresh`` discards an existing run directory, once the data has been checked. The run
     folder's lock (:mod:`schnet_ipu.training.lock`) is the caller's: ``train.py`` takes it before
-    its heavy imports, so a second run is refused at once; spawned replicas run under it."""
+    its heavy imports, so a second run is refused at once; spawned replicas run under it.
+    Under torchrun or PopRun only rank 0 returns the final record; the other ranks ``{}``."""
     run_dir = Path(cfg.logging.run_dir)
     device = select_device(cfg.backend.device)
     launch_replicas(_run_replica, processes_for(cfg.backend, device), cfg, fresh)
+    if launcher_rank() != 0:  # the records are rank 0's, which may not have written them yet
+        return {}
     finals = read_records(run_dir / "metrics.jsonl", "final")
     final = finals[-1] if finals else {}
     if final and cfg.optim.beat_baseline:
