@@ -185,6 +185,12 @@ def validate(cfg: Config) -> None:
             "packing.algorithm=tuple packs (nodes, edges) for radius graphs; "
             "set model.graph=radius or use packing.algorithm=lpfhp"
         )
+    if cfg.loader.shard and cfg.packing.replica_balance == "cost_model":
+        raise ConfigError(
+            "packing.replica_balance=cost_model groups the micro-batches of a step over all "
+            "replicas, but loader.shard=true gives each replica packs of its own share; "
+            "turn one of them off"
+        )
     if cfg.packing.max_edges and cfg.packing.max_edges % 2:
         raise ConfigError(
             f"packing.max_edges={cfg.packing.max_edges} must be even (edges come in pairs)"
