@@ -19,7 +19,7 @@ import sys
 from contextlib import nullcontext
 from pathlib import Path
 
-from schnet_ipu.config import load_config
+from schnet_ipu.config import load_config, resolved_yaml
 from schnet_ipu.errors import configure_logging, run_cli
 
 
@@ -42,7 +42,7 @@ def train_command(argv: list[str]) -> int:
     args = parser.parse_intermixed_args(argv)
     cfg = load_config(args.config, args.overrides)
     if args.print_config:
-        print(cfg.to_yaml(), end="")
+        print(resolved_yaml(cfg), end="")
         return 0
     from schnet_ipu.training.lock import hold_run_lock, launcher_rank
 

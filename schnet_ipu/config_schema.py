@@ -149,6 +149,9 @@ class LoggingConfig:
     progress: bool = True  # tqdm bars
     wandb_mode: str = "disabled"  # disabled | offline | online: mirror the records to wandb
     plot: bool = True  # learning-curve PNG at the end
+    # every rank writes the store indices it trained on to <run_dir>/seen/ (epoch E from
+    # host call C: eE.cC.rR.npy): to check which molecules each host read
+    seen_molecules: bool = False
 
 
 @dataclass

@@ -43,7 +43,7 @@ from schnet_ipu.backends.distributed import (
     shutdown_replica,
 )
 from schnet_ipu.checkpoint import load_checkpoint, load_model_state, save_checkpoint
-from schnet_ipu.config import Config
+from schnet_ipu.config import Config, global_batch
 from schnet_ipu.errors import EXIT_INTERRUPTED, TrainingError, on_ctrl_c
 from schnet_ipu.feed.loader import PackedLoader
 from schnet_ipu.task import Task
@@ -105,6 +105,14 @@ def run(cfg: Config, fresh: bool = False) -> None:
     budget = Budget(cfg.optim.max_minutes, spent, replica.world_size, backend.device)
     steps = len(train_loader) * cfg.backend.device_iterations
     scheduler = make_scheduler(cfg, optimizer, steps, budget)
+    if replica.is_main:
+        per_pack = len(data.split["train"]) / data.train_plan.num_packs
+        packs = cfg.backend.replicas * cfg.backend.gradient_accumulation
+        packs *= cfg.packing.packs_per_batch
+        log.info(
+            "%s; about %.0f molecules per step, %d steps per epoch",
+            global_batch(cfg), per_pack * packs, steps,
+        )  # fmt: skip
     average = WeightAverage(model, cfg.optim.ema_decay) if cfg.optim.ema_decay else None
     spec = model_spec(cfg, data, model, task).to_dict()
     guard = None
@@ -238,6 +246,7 @@ def train_epoch(
 
     losses, molecules = [], 0
     pending: list = []  # losses of the steps since the last read, on the device
+    seen: list | None = [] if cfg.logging.seen_molecules else None  # molecule indices
     data_seconds = step_seconds = 0.0
     calls = first_call
     bar = tqdm(
@@ -256,6 +265,8 @@ def train_epoch(
         micro_batches = next(batches, None)
         if micro_batches is None:
             break
+        if seen is not None:
+            seen += [b.molecule_index[b.graph_mask] for b in micro_batches]
         tock = time.perf_counter()
         records = backend.train_call(micro_batches)
         done = time.perf_counter()
@@ -297,6 +308,8 @@ def train_epoch(
         losses += read_and_check(end)
     losses += read_losses(pending, epoch, end, refuse_non_finite=guard is None)
     bar.close()
+    if seen is not None:
+        write_seen(Path(cfg.logging.run_dir), epoch, first_call, replica.rank, seen)
     seconds = time.perf_counter() - epoch_start
     finite = [loss for loss in losses if math.isfinite(loss)]
     return {

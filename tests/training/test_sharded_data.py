@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 
 from schnet_ipu.config import ConfigError, load_config
+from schnet_ipu.data import load_or_make_split
 from schnet_ipu.feed.arrays import FeedArrays
 from schnet_ipu.feed.assembly import assemble_batch
 from schnet_ipu.training.data import make_loader, prepare_data
+from schnet_ipu.training.loop import train
 from tests.helpers import assert_same_batches, epoch_batches, qm9_smoke_overrides
 
 REPLICAS = 3
@@ -77,3 +79,17 @@ def test_a_split_with_fewer_packs_than_replicas_is_one_line(qm9_small, tmp_path)
 def test_shards_and_cost_model_grouping_are_refused_together(qm9_small, tmp_path):
     with pytest.raises(ConfigError, match=r"replica_balance=cost_model .* loader\.shard=true"):
         config(qm9_small, tmp_path, "packing.replica_balance=cost_model")
+
+
+def test_a_run_records_the_molecules_it_trained_on(qm9_small, tmp_path):
+    """logging.seen_molecules: per epoch, the store indices the rank trained on (one rank:
+    the whole training split, in that epoch's order)."""
+    cfg = config(qm9_small, tmp_path, "optim.epochs=2", "logging.seen_molecules=true")
+    train(cfg)
+    files = sorted((tmp_path / "run/seen").iterdir())
+    assert [f.name for f in files] == ["e0.c0.r0.npy", "e1.c0.r0.npy"]
+    split = load_or_make_split(qm9_small, 400, 60, 60, seed=0)["train"]
+    epochs = [np.load(f) for f in files]
+    for molecules in epochs:
+        assert np.array_equal(np.sort(molecules), np.sort(split))
+    assert not np.array_equal(epochs[0], epochs[1])  # packs are drawn anew each epoch
