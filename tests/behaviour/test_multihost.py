@@ -98,7 +98,7 @@ class Network:
     def __init__(self) -> None:
         self.tag = f"mh{os.getpid()}"
         self.namespaces: list[str] = []
-        self.links = 0
+        self.veths: list[str] = []  # created in this (the root) namespace, then moved
 
     def namespace(self, name: str) -> str:
         netns = f"{self.tag}{name}"
@@ -110,8 +110,8 @@ class Network:
     def link(self, one: str, other: str, subnet: str, names: tuple[str, str]) -> None:
         """A veth pair from namespace ``one`` (``subnet``.1, interface ``names[0]``) to
         ``other`` (``subnet``.2, ``names[1]``)."""
-        self.links += 1
-        ends = (f"{self.tag}l{self.links}a", f"{self.tag}l{self.links}b")
+        ends = (f"{self.tag}l{len(self.veths)}a", f"{self.tag}l{len(self.veths)}b")
+        self.veths.append(ends[0])
         ip("link", "add", ends[0], "type", "veth", "peer", "name", ends[1])
         for end, netns, name, last in zip(ends, (one, other), names, (1, 2)):
             ip("link", "set", end, "netns", netns)
@@ -120,12 +120,15 @@ class Network:
             ip("-n", netns, "link", "set", name, "up")
 
     def close(self) -> None:
-        """Kill what runs in the namespaces, then delete them (their links go with them)."""
+        """Kill what runs in the namespaces, then delete them (their links go with them, and
+        a veth pair a failed move left here is deleted here)."""
         for netns in self.namespaces:
             try:
                 kill_host(netns)
             finally:
                 subprocess.run(["ip", "netns", "del", netns], capture_output=True, timeout=30)
+        for veth in self.veths:  # gone with its namespace unless its move failed
+            subprocess.run(["ip", "link", "del", veth], capture_output=True, timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -202,6 +205,11 @@ def finish(nodes: list[subprocess.Popen], run_dir: Path) -> str:
     return logs
 
 
+def folder_listing(run_dir: Path) -> list[str]:
+    """Every file of a run folder, relative to it."""
+    return sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.is_file())
+
+
 def seen(run_dir: Path) -> dict[str, np.ndarray]:
     """``logging.seen_molecules``'s files: name (eE.cC.rR) -> store indices."""
     return {p.stem: np.load(p) for p in sorted((run_dir / "seen").glob("*.npy"))}
@@ -268,10 +276,13 @@ def test_a_lost_host_costs_at_most_one_checkpoint_interval(hosts, store, two_hos
             np.array(got[key], dtype=float), np.array(want[key], dtype=float), rtol=1e-6,
             err_msg=key,
         )  # fmt: skip
+    # A's agent saw its worker fail and, ending 0 itself, restarted the group (--max-restarts)
+    assert "failed (exitcode: " in (run_dir.parent / "a.log").read_text()
     assert "at epoch 1, host call 0" in logs  # resumed from epoch 0's checkpoint
     files, wanted = seen(run_dir), seen(two_hosts)
     assert sorted(files) == sorted(wanted)  # each epoch's molecule lists once
     assert all(np.array_equal(files[name], wanted[name]) for name in wanted)
+    assert folder_listing(run_dir) == folder_listing(two_hosts)  # nothing more, nothing less
 
 
 def test_a_host_that_cannot_reach_the_rendezvous_ends_with_one_line(hosts, store, tmp_path):
