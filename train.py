@@ -23,7 +23,7 @@ import sys
 from contextlib import nullcontext
 from pathlib import Path
 
-from schnet_ipu.config import resolve_config
+from schnet_ipu.config import resolve_config, resolved_yaml
 from schnet_ipu.errors import configure_logging, run_cli
 
 log = logging.getLogger("schnet_ipu")
@@ -51,7 +51,7 @@ def train_command(argv: list[str]) -> int:
     cfg, recipe = resolve_config(args.config, args.overrides)
     if args.print_config:
         print(f"# {recipe.line()}")
-        print(cfg.to_yaml(), end="")
+        print(resolved_yaml(cfg), end="")
         return 0
     log.info(recipe.line())
     from schnet_ipu.training.lock import hold_run_lock, launcher_rank
@@ -61,7 +61,8 @@ def train_command(argv: list[str]) -> int:
         from schnet_ipu.training.loop import train  # heavy imports only once the config is valid
 
         final = train(cfg, fresh=args.fresh)
-    print(final_line(final, Path(cfg.logging.run_dir)))
+    if final:  # rank 0's; under torchrun the other ranks end without a line
+        print(final_line(final, Path(cfg.logging.run_dir)))
     return 0
 
 

@@ -59,8 +59,10 @@ __all__ = [
     "apply_override",
     "check_ipu_replicas",
     "config_from_dict",
+    "global_batch",
     "load_config",
     "resolve_config",
+    "resolved_yaml",
     "validate",
 ]
 
@@ -213,6 +215,12 @@ def validate(cfg: Config) -> None:
             "packing.algorithm=tuple packs (nodes, edges) for radius graphs; "
             "set model.graph=radius or use packing.algorithm=lpfhp"
         )
+    if cfg.loader.shard and cfg.packing.replica_balance == "cost_model":
+        raise ConfigError(
+            "packing.replica_balance=cost_model groups the micro-batches of a step over all "
+            "replicas, but loader.shard=true gives each replica packs of its own share; "
+            "turn one of them off"
+        )
     if cfg.packing.max_edges and cfg.packing.max_edges % 2:
         raise ConfigError(
             f"packing.max_edges={cfg.packing.max_edges} must be even (edges come in pairs)"
@@ -237,6 +245,27 @@ def validate(cfg: Config) -> None:
             f"backend.cuda_graphs=true needs CUDA, but backend.device={cfg.backend.device}; "
             "use backend.cuda_graphs=auto (on for CUDA only) or false"
         )
+
+
+def global_batch(cfg: Config) -> str:
+    """What one optimiser step averages its gradient over, in words: every replica's
+    micro-batches of ``packing.packs_per_batch`` packs. It grows with the replicas (all nodes
+    together under torchrun), and an epoch has as many times fewer steps; ``optim.lr`` is per
+    step and stays as set (see docs/guide/multi-host.md)."""
+    b = cfg.backend
+    packs = b.replicas * b.gradient_accumulation * cfg.packing.packs_per_batch
+    return (
+        f"global batch: backend.replicas {b.replicas} x backend.gradient_accumulation "
+        f"{b.gradient_accumulation} x packing.packs_per_batch {cfg.packing.packs_per_batch} "
+        f"= {packs} packs per optimiser step; optim.lr {cfg.optim.lr:g} is per step, "
+        "not scaled with the replicas"
+    )
+
+
+def resolved_yaml(cfg: Config) -> str:
+    """The config as YAML, ending with its global batch as a comment (``--print-config``,
+    a run folder's config.yaml)."""
+    return f"{cfg.to_yaml()}# {global_batch(cfg)}\n"
 
 
 MAX_IPUS_PER_PROCESS = 64

@@ -68,6 +68,9 @@ class LoaderConfig:
     workers: int = 0  # threads assembling batch chunks ahead; 0 = only while the step waits
     prefetch: int = 4  # chunks assembled ahead (threads), batches copied ahead (CUDA)
     device_resident: str = "auto"  # auto | true | false: assemble batches on the device
+    # each replica reads and trains on a fixed share of every split (whole packs; its atoms
+    # only: less memory per host); false: all read the store, packs dealt anew each epoch
+    shard: bool = False
 
 
 @dataclass
@@ -146,6 +149,9 @@ class LoggingConfig:
     progress: bool = True  # tqdm bars
     wandb_mode: str = "disabled"  # disabled | offline | online: mirror the records to wandb
     plot: bool = True  # learning-curve PNG at the end
+    # every rank writes the store indices it trained on to <run_dir>/seen/ (epoch E from
+    # host call C: eE.cC.rR.npy): to check which molecules each host read
+    seen_molecules: bool = False
 
 
 @dataclass

@@ -141,6 +141,15 @@ def wait_for(condition, procs: list[subprocess.Popen], what: str, timeout_s: flo
         time.sleep(0.02)
 
 
+def in_epoch_one(run_dir: Path) -> bool:
+    """last.pt exists and epoch 1 has logged a step but not its epoch record (a run with
+    ``logging.log_every=1``, to be killed after its first checkpoint)."""
+    if not (run_dir / "checkpoints/last.pt").exists():
+        return False
+    whole_lines = (run_dir / "metrics.jsonl").read_text().split("\n")[:-1]
+    return any('"step"' in line and '"epoch": 1,' in line for line in whole_lines)
+
+
 def whole_records(run_dir: Path) -> list[dict]:
     """Every line of ``run_dir/metrics.jsonl``, each a whole JSON record (no torn line)."""
     text = (run_dir / "metrics.jsonl").read_text()

@@ -134,7 +134,8 @@ def init_replica(backend_cfg: BackendConfig, device: str, timeout_s: float = 600
     instances join a gloo group (:func:`join_poprun_group`) for evaluation sums and barriers.
     PopTorch or its emulator on one host is one process, without a group. Otherwise
     WORLD_SIZE > 1 (set by torchrun or by :func:`launch_replicas`) initialises
-    ``torch.distributed`` with gloo (CPU) or nccl (CUDA).
+    ``torch.distributed`` with gloo (CPU) or nccl (CUDA); ``backend.replicas`` must be that
+    WORLD_SIZE (every node's processes together), else :class:`ConfigError`.
     """
     instance = popdist_instance()
     if instance is not None:
@@ -150,6 +151,12 @@ def init_replica(backend_cfg: BackendConfig, device: str, timeout_s: float = 600
                 "through launch_replicas (train.py does) or torchrun --nproc-per-node"
             )
         return ReplicaInfo()
+    if backend_cfg.replicas != world_size:  # the global batch is backend.replicas' to say
+        raise ConfigError(
+            f"backend.replicas={backend_cfg.replicas}, but the launcher started {world_size} "
+            f"processes (WORLD_SIZE, all nodes together); set backend.replicas={world_size}: "
+            "it is the run's total, and with it the global batch (molecules per step)"
+        )
     replica = ReplicaInfo(
         rank=int(os.environ["RANK"]),
         world_size=world_size,

@@ -4,10 +4,10 @@ Each suite's module docstring says what it measures. Suite options (another suit
 they override ``--quick``'s reduced settings): ``--device`` (gpu, force_step), ``--subset N``
 (gpu, accuracy), ``--molecules-per-step N`` and ``--profile`` (gpu), ``--minutes M`` (accuracy,
 forces), ``--ours-only`` and ``--run-dir DIR`` (accuracy), ``--set section.key=value`` (gpu,
-accuracy, forces, force_step), ``--config C`` (forces, force_step), ``--parallel N`` and
-``--peer schnetpack|mace|both`` (forces), ``--variant`` (forces: ``'NAME: key=value ...'``;
-gpu and force_step: a name of the module's ``VARIANTS``). Each writes ``SUITE.json``, ``.md``
-and ``.png`` in ``--out-dir``.
+accuracy, forces, force_step, hosts), ``--config C`` (forces, force_step, hosts),
+``--parallel N`` and ``--peer schnetpack|mace|both`` (forces), ``--variant`` (forces:
+``'NAME: key=value ...'``; gpu and force_step: a name of the module's ``VARIANTS``). Each
+writes ``SUITE.json``, ``.md`` and ``.png`` in ``--out-dir``.
 
 ``python -m schnet_ipu.bench table [--check]`` rewrites (or checks) the headline table of
 docs/benchmarks/README.md from the committed reports (:mod:`schnet_ipu.bench.table`)."""
@@ -26,7 +26,7 @@ from schnet_ipu.bench.common import QM9_STORE, write_report
 from schnet_ipu.errors import run_cli
 
 SUITES = ("throughput", "batching", "loader", "model", "gpu", "dense", "balance", "calculator",
-          "accuracy", "forces", "force_step", "periodic")  # fmt: skip
+          "accuracy", "forces", "force_step", "periodic", "hosts")  # fmt: skip
 # suite option -> (the keyword of the suites' ``run`` that takes it, its argparse settings)
 OPTIONS = {"device": ("device", {}), "subset": ("subset", {"type": int}),
            "minutes": ("minutes", {"type": float}), "set": ("overrides", {"action": "append"}),

@@ -25,7 +25,7 @@ import warnings
 import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TypeVar
 
@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from .store import MoleculeStore
+from .store import MoleculeStore, ranges_of
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,19 @@ class RadiusPairs:
     def counts(self) -> np.ndarray:
         """int64 [M] unordered pairs per molecule."""
         return np.diff(self.offsets)
+
+    def of(self, molecules: np.ndarray) -> RadiusPairs:
+        """The pairs of ``molecules`` only (int [K] store indices), a record of K molecules
+        (every per-pair field kept, the periodic shifts too)."""
+        molecules = np.asarray(molecules, dtype=np.int64)
+        counts = self.counts[molecules]
+        rows = ranges_of(self.offsets[molecules], counts)
+        per_pair = {
+            f.name: getattr(self, f.name)[rows]
+            for f in fields(self)
+            if f.name not in ("offsets", "cutoff")
+        }
+        return replace(self, offsets=np.concatenate([[0], np.cumsum(counts)]), **per_pair)
 
     def checksum(self) -> int:
         """crc32 of the bytes of offsets, i, j (read in place, not copied)."""

@@ -246,6 +246,47 @@ class MoleculeStore:
         self._refuse(invalid_records(z, pos, self.offsets))
         return z, pos
 
+    def atoms_of(self, molecules: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The atoms of ``molecules`` only (int [K], ascending store indices): (z uint8 [a],
+        pos float32 [a, 3], offsets int64 [K + 1] splitting them), read in spans
+        (:meth:`_read_rows`). Checked as read, like :meth:`concatenated`."""
+        molecules = np.asarray(molecules, dtype=np.int64)
+        z, pos = self._read_rows("z", molecules), self._read_rows("pos", molecules)
+        offsets = np.concatenate([[0], np.cumsum(self.num_atoms[molecules])])
+        bad = invalid_records(z, pos, offsets)
+        self._refuse({int(molecules[m]): reason for m, reason in bad.items()})
+        return z, pos, offsets
+
+    def forces_of(self, molecules: np.ndarray) -> np.ndarray:
+        """The forces of ``molecules`` only (as :meth:`atoms_of` reads atoms), float32 [a, 3]."""
+        if not self.has_forces:
+            raise StoreError(f"{self.path}: the store holds no forces; re-import them")
+        return self._read_rows("forces", np.asarray(molecules, dtype=np.int64))
+
+    def _read_rows(self, name: str, molecules: np.ndarray) -> np.ndarray:
+        """A per-atom dataset's rows of ``molecules`` (ascending), molecule after molecule.
+
+        The molecules are taken in windows of READ_SLICE atoms of the file; each window is one
+        read from its first wanted atom to its last, so molecules that lie together cost one
+        read, a window without any costs none, and memory holds the rows kept plus one
+        window's span. A span without gaps is read straight into the result.
+        """
+        dataset = self._file()[name]
+        starts, sizes = self.offsets[molecules], self.num_atoms[molecules]
+        out = np.empty((int(sizes.sum()), *dataset.shape[1:]), dtype=dataset.dtype)
+        windows = np.flatnonzero(np.diff(starts // READ_SLICE)) + 1
+        written = 0
+        for first, last in zip([0, *windows], [*windows, len(molecules)]):
+            lo, hi = int(starts[first]), int(starts[last - 1] + sizes[last - 1])
+            count = int(sizes[first:last].sum())
+            target = np.s_[written : written + count]
+            if hi - lo == count:  # no gap: straight into place
+                dataset.read_direct(out, np.s_[lo:hi], target)
+            else:
+                out[target] = dataset[lo:hi][ranges_of(starts[first:last] - lo, sizes[first:last])]
+            written += count
+        return out
+
     def _read_all(self, name: str) -> np.ndarray:
         """A whole per-atom dataset, read in slices of READ_SLICE atoms: one HDF5 read over all
         570k chunks of a 290M-atom store holds ~3.5 GB of HDF5 bookkeeping at its peak,
@@ -281,6 +322,16 @@ class MoleculeStore:
         state.pop("_z", None)
         state.pop("_pos", None)
         return state
+
+
+def ranges_of(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """int64 [sum of lengths]: ``arange(s, s + l)`` for every (s, l) of ``starts`` /
+    ``lengths`` [K], one after the other."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    before = np.cumsum(lengths) - lengths
+    return np.repeat(np.asarray(starts, dtype=np.int64) - before, lengths) + np.arange(
+        lengths.sum()
+    )
 
 
 def _plain(value: Any) -> Any:

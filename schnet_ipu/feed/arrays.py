@@ -55,18 +55,29 @@ class FeedArrays:
         pairs: RadiusPairs | None,
         device="cpu",
         atoms: tuple[np.ndarray, np.ndarray] | None = None,
+        molecules: np.ndarray | None = None,
     ) -> FeedArrays:
         """The whole store (``targets`` [M]), on ``device``; ``pairs``: the store's radius
         pairs (:func:`~schnet_ipu.data.pairs.radius_pairs`) for radius graphs, else None;
-        ``atoms``: the store's (z, pos) when the caller has read them already."""
+        ``atoms``: the store's (z, pos) when the caller has read them already.
+        ``molecules`` (int [K], ascending store indices): only these, whose atoms are all
+        that is read (:meth:`~schnet_ipu.data.MoleculeStore.atoms_of`); their rows here are
+        0..K-1 and their batches' ``molecule_index`` the store's."""
+        every = molecules is None
+        pick = slice(None) if every else np.asarray(molecules, dtype=np.int64)
         try:
-            z, pos = store.concatenated() if atoms is None else atoms
-            forces = store.forces() if store.has_forces else None
-            cell = store.cells()[0] if store.periodic else None
-            stress = store.stress() if store.has_stress else None
+            if every:
+                z, pos = store.concatenated() if atoms is None else atoms
+                offsets = store.offsets
+                forces = store.forces() if store.has_forces else None
+            else:
+                z, pos, offsets = store.atoms_of(pick)
+                forces = store.forces_of(pick) if store.has_forces else None
+            cell = store.cells()[0][pick] if store.periodic else None
+            stress = store.stress()[pick] if store.has_stress else None
             partial = store.partial_labels
-            forces_mask = store.forces_mask() if "forces" in partial else None
-            stress_mask = store.stress_mask() if "stress" in partial else None
+            forces_mask = store.forces_mask()[pick] if "forces" in partial else None
+            stress_mask = store.stress_mask()[pick] if "stress" in partial else None
         except OSError as err:
             raise LoaderError(f"cannot read the molecules of {store.path}: {err}") from err
         source = str(store.path)
@@ -74,11 +85,12 @@ class FeedArrays:
             z,
             pos,
             forces,
-            store.offsets,
-            targets,
-            pairs,
-            store.ids,
+            offsets,
+            np.asarray(targets)[pick],
+            pairs if every or pairs is None else pairs.of(pick),
+            store.ids[pick],
             source,
+            store_index=None if every else pick,
             cell=cell,
             stress=stress,
             forces_mask=forces_mask,

@@ -39,7 +39,8 @@ class PackedDataset:
 
     Args:
         store: the molecule store.
-        indices: int64 [M] store indices of the molecules of this split.
+        indices: int64 [M] the molecules of this split as rows of ``arrays``: store indices
+            when the arrays hold the whole store.
         targets: float64 [len(store)] regression target of every store molecule.
         plan: the packing plan for this split (from the node/edge counts of ``indices``).
         layout: batch shapes (and radius cutoff) and this replica's share.
@@ -48,6 +49,8 @@ class PackedDataset:
         shuffle: re-draw pack contents per epoch (False: the same packs every epoch).
         arrays: the store's feed arrays with ``targets`` (built from the store when None);
             batches are assembled on their device.
+        epoch_packs: packs every epoch is padded to with empty ones (a replica's shard of the
+            split: the largest shard's, :mod:`schnet_ipu.packing.shards`); None: the plan's.
 
     ``compiled`` chooses how CPU batches are filled (see :func:`schnet_ipu.feed.assembly.assemble`;
     None: numba's loop when installed); the bytes are the same either way.
@@ -64,18 +67,20 @@ class PackedDataset:
         edge_counts: np.ndarray | None = None,
         shuffle: bool = True,
         arrays: FeedArrays | None = None,
+        epoch_packs: int | None = None,
     ) -> None:
         self.store = store
         self.indices = np.asarray(indices, dtype=np.int64)
-        self.node_counts = store.num_atoms[self.indices]
         self.edge_counts = edge_counts
         self.plan = plan
+        self.epoch_packs = plan.num_packs if epoch_packs is None else epoch_packs
         self.layout = layout
         self.seed = seed
         self.shuffle = shuffle
         self.arrays = arrays or FeedArrays.from_store(
             store, targets, None if layout.cutoff is None else radius_pairs(store, layout.cutoff)
         )
+        self.node_counts = self.arrays.num_atoms.cpu().numpy()[self.indices]
         self.slots = PackSlots(plan, self.node_counts, edge_counts)
         self.compiled: bool | None = None
         self._packs_epoch: int | None = None
@@ -89,7 +94,7 @@ class PackedDataset:
     def calls_per_epoch(self) -> int:
         """Host calls per replica per epoch (equal on every replica)."""
         lay = self.layout
-        micro = math.ceil(self.plan.num_packs / lay.packs_per_batch)
+        micro = math.ceil(self.epoch_packs / lay.packs_per_batch)
         return math.ceil(micro / (lay.micro_per_call * lay.replicas))
 
     def __len__(self) -> int:

@@ -136,7 +136,7 @@ def _pad_to_max(
     return make_plan("pad_to_max", max_nodes, max_edges, 1, templates, counts[::-1].tolist())
 
 
-def _slot_keys(plan: PackPlan, node_counts: np.ndarray, edge_counts: np.ndarray | None):
+def size_keys(plan: PackPlan, node_counts: np.ndarray, edge_counts: np.ndarray | None):
     """One integer key per molecule (int [M]) and per template slot, equal iff sizes match."""
     if plan.max_edges is None:
         return node_counts, [np.asarray(t, dtype=np.int64) for t in plan.templates]
@@ -182,13 +182,14 @@ class PackSlots:
         node_counts = np.asarray(node_counts, dtype=np.int64)
         edge_counts = None if edge_counts is None else np.asarray(edge_counts, dtype=np.int64)
         check_sizes(node_counts, edge_counts)
-        keys, template_keys = _slot_keys(plan, node_counts, edge_counts)
+        keys, template_keys = size_keys(plan, node_counts, edge_counts)
         template_sizes = np.array([len(t) for t in template_keys], dtype=np.int64)
         self.lengths = np.repeat(template_sizes, plan.counts)  # [num_packs]
         # every copy of every template, one after the other: [sum of lengths] slot keys
         template_of_pack = np.repeat(np.arange(len(template_keys)), plan.counts)
         flat = np.concatenate([np.zeros(0, np.int64), *template_keys])
-        slot_keys = flat[_ranges(_exclusive_cumsum(template_sizes)[template_of_pack], self.lengths)]
+        first_slot = exclusive_cumsum(template_sizes)[template_of_pack]
+        slot_keys = flat[concatenated_ranges(first_slot, self.lengths)]
         if len(slot_keys) != len(keys):
             raise PackingError(
                 f"plan has {len(slot_keys)} molecule slots but {len(keys)} molecules were given"
@@ -212,13 +213,13 @@ class PackSlots:
         filled[self.slot_order] = molecules
         order = rng.permutation(len(self.lengths))
         lengths = self.lengths[order]
-        return filled[_ranges(_exclusive_cumsum(self.lengths)[order], lengths)], lengths
+        return filled[concatenated_ranges(exclusive_cumsum(self.lengths)[order], lengths)], lengths
 
 
-def _exclusive_cumsum(counts: np.ndarray) -> np.ndarray:
+def exclusive_cumsum(counts: np.ndarray) -> np.ndarray:
     return np.cumsum(counts) - counts
 
 
-def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+def concatenated_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """Concatenated ``arange(s, s + l)`` for every (s, l) of ``starts``/``lengths`` [S]."""
-    return np.repeat(starts - _exclusive_cumsum(lengths), lengths) + np.arange(lengths.sum())
+    return np.repeat(starts - exclusive_cumsum(lengths), lengths) + np.arange(lengths.sum())

@@ -2,6 +2,12 @@
 
 Everything here runs before the first step and checks what needs the data: a molecule
 larger than the pack limits, or more replicas than the epoch has batches to feed.
+
+With ``loader.shard`` each replica's loaders hold its share of every split
+(:mod:`schnet_ipu.packing.shards`, :func:`hold_share`) and its feed reads only those
+molecules' atoms from the store; what every replica still holds whole is per molecule
+(offsets, targets, split, element counts, packing plans) or, for radius graphs, the pairs
+file's pairs until the feed keeps its share of them.
 """
 
 from __future__ import annotations
@@ -30,7 +36,9 @@ from schnet_ipu.feed.dataset import PackedDataset
 from schnet_ipu.feed.layout import Layout
 from schnet_ipu.feed.loader import PackedLoader
 from schnet_ipu.packing import PackingError, PackPlan, plan_packing
+from schnet_ipu.packing.shards import Shard, shard_plan
 from schnet_ipu.training.dressed_atoms import (
+    ElementCounts,
     element_counts,
     fit_dressed_atoms,
     predict_dressed_atoms,
@@ -60,7 +68,7 @@ class PreparedData:
     unit: str
     pairs: RadiusPairs | None  # radius graphs: every molecule's pairs within the cutoff
     plans: dict[str, PackPlan]  # split name -> plan with the run's shared limits
-    counts: np.ndarray  # uint16 [M, 119] element counts per molecule
+    counts: ElementCounts  # element counts of every store molecule
     dressed_atoms: np.ndarray  # float64 [119] baseline energy per element (train fit)
     timings: dict[str, float]
     feeds: dict[str, FeedArrays] = field(default_factory=dict)  # device -> the loaders' arrays
@@ -69,6 +77,10 @@ class PreparedData:
     atoms: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False)
     # memory the loaders assemble CPU chunks into, shared: the splits' loaders take turns
     chunk_memory: OutputBuffers = field(default_factory=OutputBuffers, repr=False)
+    # loader.shard (hold_share): replica r of R's share of each split, and the store indices
+    # of those molecules (ascending), the only ones its feed reads; None: the whole store
+    share: tuple[int, int, dict[str, Shard]] | None = None
+    held: np.ndarray | None = None
 
     @property
     def edge_counts(self) -> np.ndarray | None:
@@ -103,7 +115,9 @@ class PreparedData:
     def _cpu_feed(self) -> FeedArrays:
         """The CPU feed, from the atoms prepare_data read (then dropped) if it kept any."""
         atoms, self.atoms = self.atoms, None
-        return FeedArrays.from_store(self.store, self.targets, self.pairs, atoms=atoms)
+        return FeedArrays.from_store(
+            self.store, self.targets, self.pairs, atoms=atoms, molecules=self.held
+        )
 
 
 def prepare_data(cfg: Config) -> PreparedData:
@@ -133,18 +147,23 @@ def prepare_data(cfg: Config) -> PreparedData:
     with stage("targets", timings):
         targets = store.target(cfg.data.target).astype(np.float64)
         # radius graphs: read the atoms once, for the counts, a pairs build and the feed
-        atoms = store.concatenated() if cfg.model.graph == "radius" else None
+        # (shards: the feed reads its own molecules, the pairs come from the pairs file)
+        whole = cfg.model.graph == "radius" and not cfg.loader.shard
+        atoms = store.concatenated() if whole else None
         z = store.atomic_numbers() if atoms is None else atoms[0]
         counts = element_counts(z, store.offsets)
         atomref = store.atomref(cfg.data.target)
         if cfg.data.atomrefs and atomref is not None:
-            targets = targets - counts @ atomref
+            targets = targets - counts.dot(atomref)
         dressed = fit_dressed_atoms(counts[split["train"]], targets[split["train"]])
     pairs = None
     if cfg.model.graph == "radius":
         with stage("edge_counts", timings):
             pairs = radius_pairs(  # the feed's pairs too
-                store, cfg.model.cutoff, positions=atoms[1], progress=cfg.logging.progress
+                store,
+                cfg.model.cutoff,
+                positions=None if atoms is None else atoms[1],
+                progress=cfg.logging.progress,
             )
     with stage("packing", timings):
         plans = plan_splits(cfg, store, split, None if pairs is None else 2 * pairs.counts)
@@ -252,28 +271,38 @@ def make_loader(
     Training reads D x A micro-batches per host call, times ``replicas_in_call`` when one
     process feeds several replicas (PopTorch); every other split reads one per call. Batches
     are assembled on ``device`` when the data is device-resident (``loader.device_resident``).
+    With ``loader.shard`` the loader holds this replica's share of the split (its epoch
+    padded to the largest share's packs), else the whole split, whose packs it deals over
+    the replicas each epoch.
     """
     training = split == "train"
     micro = 1
     if training:
         micro = cfg.backend.device_iterations * cfg.backend.gradient_accumulation * replicas_in_call
-    plan = data.plans[split]
+    if cfg.loader.shard:
+        shard = hold_share(data, replica, replicas)[split]
+        plan, epoch_packs = shard.plan, shard.most_packs
+        index = data.split[split][shard.positions]  # store indices
+        rows = np.searchsorted(data.held, index)  # rows of the feed, which holds data.held
+        share = {"replicas": 1, "replica": 0, "replica_balance": "none"}
+    else:
+        plan, epoch_packs = data.plans[split], None
+        index = rows = data.split[split]
+        balance = cfg.packing.replica_balance if training else "none"
+        share = {"replicas": replicas, "replica": replica, "replica_balance": balance}
     layout = Layout.from_plan(
         data.train_plan,
         cfg.packing.packs_per_batch,
         cutoff=cfg.model.cutoff if cfg.model.graph == "radius" else None,
         micro_per_call=micro,
-        replicas=replicas,
-        replica=replica,
-        replica_balance=cfg.packing.replica_balance if training else "none",
+        **share,
     )
-    index = data.split[split]
     feed = data.feed_arrays("cpu")
     if resident_device(cfg.loader.device_resident, device, feed.nbytes()) != "cpu":
         feed = data.feed_arrays(device)
     dataset = PackedDataset(
         data.store,
-        index,
+        rows,
         data.targets,
         plan,
         layout,
@@ -281,13 +310,14 @@ def make_loader(
         edge_counts=None if data.pairs is None else 2 * data.pairs.counts[index],
         shuffle=training,
         arrays=feed,
+        epoch_packs=epoch_packs,
     )
     if training:
         needed = micro * replicas * cfg.packing.packs_per_batch
-        if plan.num_packs < needed:
+        if data.plans[split].num_packs < needed:
             raise ConfigError(
-                f"the training split fills {plan.num_packs} packs, but one step of "
-                f"{replicas} replica(s) x {micro} micro-batch(es) x "
+                f"the training split fills {data.plans[split].num_packs} packs, but one step "
+                f"of {replicas} replica(s) x {micro} micro-batch(es) x "
                 f"{cfg.packing.packs_per_batch} packs needs {needed}; lower backend.replicas, "
                 "backend.device_iterations, backend.gradient_accumulation or "
                 "packing.packs_per_batch, or use more data"
@@ -296,6 +326,39 @@ def make_loader(
     return PackedLoader(
         dataset, cfg.loader.workers, cfg.loader.prefetch, pin_memory=pin, buffers=data.chunk_memory
     )
+
+
+def hold_share(data: PreparedData, replica: int, replicas: int) -> dict[str, Shard]:
+    """``loader.shard``: replica ``replica`` of ``replicas``' share of every split, worked
+    out on first use (:func:`~schnet_ipu.packing.shards.shard_plan`), which also makes the
+    feed hold only those molecules (``data.held``). One process holds one replica's share."""
+    if data.share is not None:
+        held_by = data.share[:2]
+        if held_by != (replica, replicas):
+            raise ValueError(f"this data holds replica {held_by[0]} of {held_by[1]}'s share")
+        return data.share[2]
+    shards = {}
+    for name in SPLITS:
+        plan, index = data.plans[name], data.split[name]
+        if plan.num_packs < replicas:
+            raise ConfigError(
+                f"the {name} split fills {plan.num_packs} pack(s), fewer than the {replicas} "
+                "replicas that each hold a share of it (loader.shard=true); use more data "
+                "(data.val, data.test), fewer replicas, or loader.shard=false"
+            )
+        edges = None if data.pairs is None else 2 * data.pairs.counts[index]
+        shards[name] = shard_plan(plan, data.store.num_atoms[index], edges, replica, replicas)
+    data.held = np.unique(np.concatenate([data.split[n][s.positions] for n, s in shards.items()]))
+    data.share = (replica, replicas, shards)
+    log.info(
+        "shard: replica %d of %d holds %d of %d molecules (%s)",
+        replica,
+        replicas,
+        len(data.held),
+        sum(len(v) for v in data.split.values()),
+        ", ".join(f"{n} {len(s.positions)}" for n, s in shards.items()),
+    )
+    return shards
 
 
 def resident_device(setting: str, device: str, nbytes: int) -> str:

@@ -43,7 +43,7 @@ from schnet_ipu.backends.distributed import (
     shutdown_replica,
 )
 from schnet_ipu.checkpoint import load_checkpoint, load_model_state, save_checkpoint
-from schnet_ipu.config import Config
+from schnet_ipu.config import Config, global_batch
 from schnet_ipu.errors import EXIT_INTERRUPTED, TrainingError, on_ctrl_c
 from schnet_ipu.feed.loader import PackedLoader
 from schnet_ipu.task import Task
@@ -51,8 +51,9 @@ from schnet_ipu.training.budget import Budget, WeightAverage
 from schnet_ipu.training.data import make_loader, prepare_data
 from schnet_ipu.training.evaluation import evaluate
 from schnet_ipu.training.guard import Spike, SpikeGuard, Trainee, check_beats_baseline
+from schnet_ipu.training.lock import launcher_rank
 from schnet_ipu.training.log import RunLog, read_records
-from schnet_ipu.training.records import open_run_dir, write_epoch, write_final
+from schnet_ipu.training.records import open_run_dir, write_epoch, write_final, write_seen
 from schnet_ipu.training.setup import make_scheduler, make_trainer, model_spec
 from schnet_ipu.training.state import Progress, RunState, read_resume
 
@@ -63,10 +64,13 @@ def train(cfg: Config, fresh: bool = False) -> dict:
     """Train as configured (spawning replicas when asked) and return the final record.
     ``fresh`` discards an existing run directory, once the data has been checked. The run
     folder's lock (:mod:`schnet_ipu.training.lock`) is the caller's: ``train.py`` takes it before
-    its heavy imports, so a second run is refused at once; spawned replicas run under it."""
+    its heavy imports, so a second run is refused at once; spawned replicas run under it.
+    Under torchrun or PopRun only rank 0 returns the final record; the other ranks ``{}``."""
     run_dir = Path(cfg.logging.run_dir)
     device = select_device(cfg.backend.device)
     launch_replicas(_run_replica, processes_for(cfg.backend, device), cfg, fresh)
+    if launcher_rank() != 0:  # the records are rank 0's, which may not have written them yet
+        return {}
     finals = read_records(run_dir / "metrics.jsonl", "final")
     final = finals[-1] if finals else {}
     if final and cfg.optim.beat_baseline:
@@ -101,6 +105,14 @@ def run(cfg: Config, fresh: bool = False) -> None:
     budget = Budget(cfg.optim.max_minutes, spent, replica.world_size, backend.device)
     steps = len(train_loader) * cfg.backend.device_iterations
     scheduler = make_scheduler(cfg, optimizer, steps, budget)
+    if replica.is_main:
+        per_pack = len(data.split["train"]) / data.train_plan.num_packs
+        packs = cfg.backend.replicas * cfg.backend.gradient_accumulation
+        packs *= cfg.packing.packs_per_batch
+        log.info(
+            "%s; about %.0f molecules per step, %d steps per epoch",
+            global_batch(cfg), per_pack * packs, steps,
+        )  # fmt: skip
     average = WeightAverage(model, cfg.optim.ema_decay) if cfg.optim.ema_decay else None
     spec = model_spec(cfg, data, model, task).to_dict()
     guard = None
@@ -241,6 +253,7 @@ def train_epoch(parts: EpochParts, epoch: int, first_call: int, until: float = m
 
     losses, molecules = [], 0
     pending: list = []  # losses of the steps since the last read, on the device
+    seen: list | None = [] if cfg.logging.seen_molecules else None  # molecule indices
     data_seconds = step_seconds = 0.0
     calls = first_call
     bar = tqdm(
@@ -259,6 +272,8 @@ def train_epoch(parts: EpochParts, epoch: int, first_call: int, until: float = m
         micro_batches = next(batches, None)
         if micro_batches is None:
             break
+        if seen is not None:
+            seen += [b.molecule_index[b.graph_mask] for b in micro_batches]
         tock = time.perf_counter()
         records = backend.train_call(micro_batches)
         done = time.perf_counter()
@@ -300,6 +315,8 @@ def train_epoch(parts: EpochParts, epoch: int, first_call: int, until: float = m
         losses += read_and_check(end)
     losses += read_losses(pending, epoch, end, refuse_non_finite=guard is None)
     bar.close()
+    if seen is not None:
+        write_seen(Path(cfg.logging.run_dir), epoch, first_call, replica.rank, seen)
     seconds = time.perf_counter() - epoch_start
     finite = [loss for loss in losses if math.isfinite(loss)]
     return {

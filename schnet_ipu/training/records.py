@@ -1,7 +1,8 @@
 """What a training run writes in its folder besides checkpoints: the folder made ready
 (``--fresh`` empties it, a resume drops the records after its checkpoint), the record of each
-epoch with its log line, and the final record (test errors beside the trivial baselines)
-with the learning-curve plot. The loop that calls them is :mod:`schnet_ipu.training.loop`; the
+epoch with its log line, the final record (test errors beside the trivial baselines)
+with the learning-curve plot, and (``logging.seen_molecules``) which molecules each rank
+trained on. The loop that calls them is :mod:`schnet_ipu.training.loop`; the
 record format and its writes are :mod:`schnet_ipu.training.log`.
 """
 
@@ -11,10 +12,12 @@ import logging
 import shutil
 from pathlib import Path
 
+import numpy as np
 import torch
+from torch import Tensor
 
 from schnet_ipu.backends.distributed import ReplicaInfo
-from schnet_ipu.config import Config
+from schnet_ipu.config import Config, resolved_yaml
 from schnet_ipu.task import Task
 from schnet_ipu.training.data import PreparedData
 from schnet_ipu.training.evaluation import trivial_baselines
@@ -44,11 +47,23 @@ def open_run_dir(
     else:  # records after the checkpoint will be written again; a torn line goes
         truncate_after(run_dir / "metrics.jsonl", resumed.epoch, resumed.call)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    (run_dir / "config.yaml").write_text(resolved_yaml(cfg))
     runlog = RunLog(run_dir, cfg, resumed=resumed is not None)
     if resumed is None:
         runlog.write("stage", **{f"{k}_seconds": v for k, v in timings.items()})
     return runlog
+
+
+def write_seen(run_dir: Path, epoch: int, first_call: int, rank: int, seen: list[Tensor]) -> Path:
+    """``logging.seen_molecules``: the store indices (``seen``: int64 tensors, a micro-batch's
+    real molecules each) rank ``rank`` trained on in ``epoch`` from host call ``first_call``,
+    as ``<run_dir>/seen/e<epoch>.c<first_call>.r<rank>.npy`` (every rank writes its own)."""
+    folder = run_dir / "seen"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"e{epoch}.c{first_call}.r{rank}.npy"
+    molecules = [ids.cpu().numpy() for ids in seen]
+    np.save(path, np.concatenate(molecules) if molecules else np.zeros(0, dtype=np.int64))
+    return path
 
 
 def write_epoch(

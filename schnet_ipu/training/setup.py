@@ -81,7 +81,7 @@ def model_spec(cfg: Config, data: PreparedData, model: SchNet, task: Task) -> Mo
     holds."""
     plan = data.train_plan
     model_cfg = dataclasses.replace(cfg.model, ops=model.ops.name)
-    seen = data.counts[data.split["train"]].sum(axis=0)
+    seen = data.counts[data.split["train"]].totals()
     return ModelSpec(
         model=dataclasses.asdict(model_cfg),
         max_nodes_per_pack=int(model.max_nodes_per_pack or plan.max_nodes),

@@ -25,7 +25,15 @@ import numpy as np
 import pytest
 
 from schnet_ipu.backends.distributed import free_port
-from tests.helpers import ROOT, random_store, repo_env, run_outcome, smoke_overrides, wait_for
+from tests.helpers import (
+    ROOT,
+    in_epoch_one,
+    random_store,
+    repo_env,
+    run_outcome,
+    smoke_overrides,
+    wait_for,
+)
 
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 EPOCHS = 4
@@ -121,14 +129,6 @@ def worker_of_rank(agents: list[subprocess.Popen], rank: int) -> int:
         if parent in agent_pids and f"RANK={rank}".encode() in environ:
             return int(entry)
     raise AssertionError(f"no worker of rank {rank} among the agents' children")
-
-
-def in_epoch_one(run_dir: Path) -> bool:
-    """last.pt exists and epoch 1 has logged a step but not its epoch record."""
-    if not (run_dir / "checkpoints/last.pt").exists():
-        return False
-    whole_lines = (run_dir / "metrics.jsonl").read_text().split("\n")[:-1]
-    return any('"step"' in line and '"epoch": 1,' in line for line in whole_lines)
 
 
 @pytest.mark.parametrize("killed", ["rank 1", "rank 0", "whole job"])

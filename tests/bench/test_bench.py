@@ -249,6 +249,22 @@ def test_calculator(tmp_path: Path) -> None:
         assert (row["md_steps_per_s"] or 0) > 0 or row["name"].startswith("exported")
 
 
+def test_hosts(store: Path, tmp_path: Path) -> None:
+    from schnet_ipu.bench import hosts
+
+    overrides = [f"data.path={store}", "data.subset=0", "data.val=30", "data.test=30"]
+    report = hosts.run("configs/qm9_quickstart.yaml", overrides, host_counts=(2,))
+    loaded = check_report(report, "hosts", tmp_path, hosts)
+    rows = loaded["results"]
+    assert [(r["hosts"], r["rank"]) for r in rows] == [(1, 0), (1, 0), (2, 0), (2, 1)]
+    assert rows[0]["held_molecules"] == rows[1]["held_molecules"] == 300  # the whole store
+    assert rows[2]["held_molecules"] + rows[3]["held_molecules"] == 300  # shares
+    assert rows[2]["held_atoms"] + rows[3]["held_atoms"] == rows[1]["held_atoms"]
+    assert all(r["peak_rss_gb"] > 0.1 for r in rows)  # a process with torch imported
+    assert set(loaded["ratios"]) == {"2 hosts / 1 host, peak per host",
+                                     "1 host with shards / without"}  # fmt: skip
+
+
 def test_runner_refuses_another_suites_option() -> None:
     from schnet_ipu.bench.__main__ import main
 

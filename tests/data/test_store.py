@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from schnet_ipu.data import MoleculeStore, StoreError, import_qm9, write_store
+from schnet_ipu.data import store as store_module
 
 
 def small_molecules(rng: np.random.Generator, count: int = 5):
@@ -240,3 +241,36 @@ def test_killed_write_leaves_no_store(tmp_path):
     assert not out.exists()
     (leftover,) = tmp_path.iterdir()  # the half-written temp file, never mistaken for a store
     assert leftover.name.startswith(".s.h5.tmp")
+
+
+@pytest.mark.parametrize("window", [50, 1 << 24])  # many read windows, or one
+@pytest.mark.parametrize("pick", ["random", "blocks", "all"])
+def test_atoms_of_some_molecules_are_their_rows(qm9_store, monkeypatch, window, pick):
+    """``atoms_of`` reads only the molecules asked for (in windows of READ_SLICE atoms; a
+    window with gaps is one span, then picked) and gives exactly their rows."""
+    monkeypatch.setattr(store_module, "READ_SLICE", window)
+    store = MoleculeStore(qm9_store)
+    rng = np.random.default_rng(4)
+    molecules = {
+        "random": np.sort(rng.choice(len(store), 37, replace=False)),
+        "blocks": np.r_[3:40, 120:121, 200:260],
+        "all": np.arange(len(store)),
+    }[pick]
+    z, pos, offsets = store.atoms_of(molecules)
+    all_z, all_pos = store.concatenated()
+    rows = np.concatenate([np.arange(store.offsets[m], store.offsets[m + 1]) for m in molecules])
+    np.testing.assert_array_equal(z, all_z[rows])
+    np.testing.assert_array_equal(pos, all_pos[rows])
+    np.testing.assert_array_equal(np.diff(offsets), store.num_atoms[molecules])
+
+
+def test_atoms_of_names_a_damaged_record_by_its_store_index(tmp_path):
+    rng = np.random.default_rng(0)
+    z, pos = small_molecules(rng, count=6)
+    path = write_store(tmp_path / "s.h5", z, pos, {"e": np.zeros(6)}, {"e": "eV"})
+    store = MoleculeStore(path)
+    with h5py.File(path, "r+") as f:  # damaged after import: molecule 4's first coordinate
+        f["pos"][store.offsets[4], 0] = np.nan
+    with pytest.raises(StoreError, match=r"molecule 4 \(record"):
+        MoleculeStore(path).atoms_of(np.array([1, 4, 5]))
+    MoleculeStore(path).atoms_of(np.array([0, 1, 5]))  # the others read fine

@@ -11,6 +11,7 @@ import pytest
 from schnet_ipu.data import MoleculeStore, StoreError, import_hydronet, water_sampled
 from schnet_ipu.data.water_sampled import generate_water_sampled, size_counts
 from schnet_ipu.data.writer import StoreWriter, partial_path
+from schnet_ipu.training import dressed_atoms
 from schnet_ipu.training.dressed_atoms import element_counts
 
 SIZES = (3, 6)
@@ -160,12 +161,18 @@ def test_hydronet_large_streams_and_names_a_truncated_file(tmp_path):
     assert not (tmp_path / "again.h5").exists()
 
 
-def test_element_counts_match_per_molecule_bincount():
+@pytest.mark.parametrize("group_atoms", [1, 7, 1 << 24])  # counted in groups, or at once
+def test_element_counts_match_per_molecule_bincount(monkeypatch, group_atoms):
+    monkeypatch.setattr(dressed_atoms, "COUNT_ATOMS", group_atoms)
     rng = np.random.default_rng(3)
     sizes = rng.integers(0, 6, size=40)  # includes empty molecules
     offsets = np.concatenate([[0], np.cumsum(sizes)])
     z = rng.choice(np.array([1, 6, 8, 118], dtype=np.uint8), size=offsets[-1])
     counts = element_counts(z, offsets)
+    assert counts.elements.tolist() == [1, 6, 8, 118]  # the elements present, no others
     for m in range(len(sizes)):
         expected = np.bincount(z[offsets[m] : offsets[m + 1]], minlength=119)
-        np.testing.assert_array_equal(counts[m], expected)
+        dense = np.zeros(119, dtype=np.int64)
+        dense[counts.elements] = counts.table[m]
+        np.testing.assert_array_equal(dense, expected)
+    np.testing.assert_array_equal(counts.totals(), np.bincount(z, minlength=119))
