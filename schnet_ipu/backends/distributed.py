@@ -19,6 +19,11 @@ Gradient reduction is a mean over replicas (sum, then divide by R), PopTorch's d
 ``merge_allreduce`` all gradients travel in one flat buffer: one collective per optimiser step.
 CPU replicas that ``launch_replicas`` spawned on this host sum that buffer through shared
 memory (:mod:`~schnet_ipu.backends.shared_memory`) instead of a gloo all-reduce.
+
+About 470 lines, one module: every way of starting replicas (spawned, torchrun, PopRun) ends
+in the same :class:`ReplicaInfo` and process group, and the reductions over that group
+(merged or per parameter, shared memory on one host) are chosen from how it was started;
+split, each half would import the other's private state.
 """
 
 from __future__ import annotations
