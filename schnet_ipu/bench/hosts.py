@@ -9,11 +9,11 @@ call of epoch 0. Its peak resident memory is the kernel's high-water mark (``VmH
 /proc/self/status) at the end. One process runs at a time; every rank of every H is measured.
 The first row is one host with ``loader.shard=false`` (every replica reads the whole store,
 the path without shards). The model and its optimiser are not built (a SchNet is a few MB).
-Measured on the 4.46M-cluster water store (``hosts-water4m5``, 2 cores): 8.74 GB for one host,
+Measured on the 4.46M-cluster water store (``hosts/water4m5``, 2 cores): 8.74 GB for one host,
 4.81 GB per host for 2, 2.86 GB per host for 4 (0.33x one host); 8.50 GB without shards.
 
     python -m schnet_ipu.bench hosts --config configs/water_4m5.yaml \\
-        --set data.path=data/water_4m5.h5 --out-dir docs/benchmarks/hosts-water4m5
+        --set data.path=data/water_4m5.h5 --out-dir docs/benchmarks/hosts/water4m5
 """
 
 from __future__ import annotations

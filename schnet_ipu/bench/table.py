@@ -155,6 +155,19 @@ def calculator(report: dict) -> list[Headline]:
     ]  # fmt: skip
 
 
+def hosts(report: dict) -> list[Headline]:
+    """The largest peak per host of H simulated hosts beside one host's (both sharded)."""
+    peak: dict[int, float] = {}
+    for row in report["results"]:
+        if "whole store" not in row["name"]:
+            peak[row["hosts"]] = max(peak.get(row["hosts"], 0.0), row["peak_rss_gb"])
+    return [
+        versus(f"peak memory per host, {count} hosts, loader.shard", peak[count], peak[1], "GB",
+               "one host")
+        for count in sorted(peak) if count > 1
+    ]  # fmt: skip
+
+
 def accuracy(report: dict) -> list[Headline]:
     mae = {row["name"]: row["test_mae"] * 1000 for row in report["results"]}
     seconds = {row["name"]: row["seconds"] for row in report["results"]}
@@ -274,6 +287,7 @@ RULES: dict[str, tuple[str, Callable[[dict], list[Headline]]]] = {
     "force_step": ("force_step", force_step),
     "gpu": ("gpu", gpu),
     "triton-sweep": ("triton sweep", triton_sweep),
+    "hosts": ("hosts", hosts),
     "calculator": ("calculator", calculator),
     "periodic": ("periodic", periodic),
     "md-lammps": ("md", md_lammps),
