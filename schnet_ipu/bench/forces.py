@@ -5,7 +5,9 @@ default: schnetpack 2.1.1's SchNet of our model's size in its stock MD17-style r
 ``both``) and ``--variant`` rows of ours; sides are processes, ``--parallel`` at a time, one
 thread each. Measured (configs as they are): our force MAE 0.21x / 0.14x / 0.22x
 schnetpack's on EMT clusters at 1.5 / 5 / 15 minutes, 0.47x / 0.43x / 0.46x on the 10,000
-xTB frames; against MACE: docs/benchmarks/forces-mace-*."""
+xTB frames; against MACE 0.3.16's small model 0.038x / 0.039x on EMT clusters at 5 / 15
+minutes, 0.57x / 0.82x on the xTB frames, 0.038x on EMT bulk at 5 (docs/benchmarks/forces-mace-*;
+MACE is ahead per structure seen on the xTB frames, 27-93x slower per structure)."""
 
 from __future__ import annotations
 
