@@ -3,7 +3,8 @@ split: ours (the config under ``optim.max_minutes=M``), the ``--peer`` (``schnet
 default: schnetpack 2.1.1's SchNet of our model's size in its stock MD17-style recipe,
 :mod:`.schnetpack_side`; ``mace``: a small MACE in mace's own recipe, :mod:`.mace_side`;
 ``both``) and ``--variant`` rows of ours; sides are processes, ``--parallel`` at a time, one
-thread each. The committed reports: docs/benchmarks/forces/; their figures:
+thread each. The committed reports: docs/benchmarks/forces/ (``mace-*`` against MACE: it
+is ahead per structure seen on the xTB frames, 27-93x slower per structure); their figures:
 docs/benchmarks/README.md."""
 
 from __future__ import annotations
