@@ -198,6 +198,10 @@ def forces(report: dict) -> list[Headline]:
     figures = (("test force MAE", "test_force_mae", "eV/Å"),
                ("test energy MAE", "test_energy_mae_meV_per_atom", "meV/atom"),
                ("training structures/s", "structures_per_s", "/s"))  # fmt: skip
+    variants = [row for row in report["results"] if row["name"].startswith("ours: ")]
+    if variants:  # a comparison of configs of ours: their force errors, beside the peer's
+        figures = figures[:1]
+        peers += variants
     return [
         versus(f"{run}: {figure}", ours[key], peer[key], unit, peer["name"])
         for peer in peers
