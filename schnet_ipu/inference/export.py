@@ -35,7 +35,10 @@ def export_model(
     both, and is what the OpenMM-Torch and LAMMPS plugins load today.
     """
     source = checkpoint_path(model, checkpoint)
-    check_output(out, [("checkpoint", source)])
+    # a run's checkpoints are one set: exporting best.pt onto last.pt loses the resume point
+    siblings = [source.with_name(name) for name in ("best.pt", "last.pt")]
+    run_files = siblings if source.parent.name == "checkpoints" else []
+    check_output(out, [("checkpoint", source), *(("run's checkpoint", p) for p in run_files)])
     trained = load_trained(source)
     module = PortableSchNet.from_trained(trained, dtype)
     with warnings.catch_warnings():  # TorchScript's deprecation notice: chosen knowingly

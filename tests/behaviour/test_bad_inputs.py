@@ -734,6 +734,7 @@ def test_export_onto_the_checkpoint_it_reads_is_refused(capsys, tmp_path, traine
         (run_dir, tmp_path / "link.pt"),
         (tmp_path / "run_link", best),
         (run_dir, tmp_path / "run_link/checkpoints/best.pt"),
+        (run_dir, run_dir / "checkpoints/last.pt"),  # the run's resume point, not the source
     ):
         argv = ["export", "--run", str(source), "--out", str(out)]
         line = refused(capsys, tmp_path, lambda argv=argv: train_cli.main(argv), str(out))
