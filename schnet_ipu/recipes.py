@@ -102,11 +102,10 @@ class AppliedRecipe:
         return f"recipe {self.name}: {self.why}; filled in {filled} (keys you set win)"
 
 
-def apply_recipe(cfg: Config, explicit: set[str], cuda: bool | None = None) -> AppliedRecipe:
+def apply_recipe(cfg: Config, explicit: set[str]) -> AppliedRecipe:
     """Fill the keys of ``cfg`` that are not in ``explicit`` (dotted keys the user set) from
     the recipe ``cfg.recipe`` names, or that the data picks for ``auto``; ``cfg.recipe`` then
-    holds the recipe's name. ``cuda``: whether ``backend.device=auto`` will train on CUDA
-    (None: ask torch, only when a CPU-only key is left to fill)."""
+    holds the recipe's name."""
     if cfg.recipe == "none":
         return AppliedRecipe("none", "recipe: none keeps the bare defaults", {})
     if cfg.recipe == "auto":
@@ -120,7 +119,7 @@ def apply_recipe(cfg: Config, explicit: set[str], cuda: bool | None = None) -> A
     for key, value in RECIPES[name].items():
         if key in explicit or _skipped(key, cfg, explicit, name):
             continue
-        if key in CPU_KEYS and not _trains_on_cpu(cfg, cuda):
+        if key in CPU_KEYS and not _trains_on_cpu(cfg):
             continue
         values[key] = value
     for key, value in values.items():
@@ -193,15 +192,14 @@ def _skipped(key: str, cfg: Config, explicit: set[str], name: str) -> bool:
     return key == "backend.compile" and response_loss
 
 
-def _trains_on_cpu(cfg: Config, cuda: bool | None) -> bool:
-    """Whether ``backend.device`` is the CPU (``auto``: where CUDA is not available)."""
+def _trains_on_cpu(cfg: Config) -> bool:
+    """Whether ``backend.device`` is the CPU (``auto``: where CUDA is not available; torch is
+    imported only then, when a CPU-only key is left to fill)."""
     if cfg.backend.device != "auto":
         return cfg.backend.device == "cpu"
-    if cuda is None:
-        import torch
+    import torch
 
-        cuda = torch.cuda.is_available()
-    return not cuda
+    return not torch.cuda.is_available()
 
 
 def _set(cfg: Config, dotted: str, value: Any) -> None:
